@@ -1,0 +1,353 @@
+"""Generate text with Kimi K2.6 (or the bundled tiny K2-architecture model): autoregressive, DFlash chain,
+or DDTree speculative decoding.
+
+    python generate.py                                    # bundled tiny model + drafter, a code prompt, CPU ok
+    python generate.py --prompt "def fib(n):" --budget 16 --show-tree
+    torchrun --nproc-per-node 8 generate.py --ckpt <Kimi-K2.6 dir> --draft <DFlash dir> --prompt "Hi"
+
+Invariant: greedy DDTree output == greedy autoregressive output, token for token (tests/test_generate.py);
+at temperature T every committed token is a sample of the target's own distribution.
+
+The decode loop reads as numbered steps: 1 draft, 2 build tree, 3 verify, 4 accept, 5 commit, 6 stream.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import model as M
+import tree as T
+import verify as V
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUNDLED_TARGET = os.path.join(HERE, "checkpoints", "tiny-k2")
+BUNDLED_DRAFT = os.path.join(HERE, "checkpoints", "tiny-k2-dflash")
+DEFAULT_PROMPT = "def parse_args(argv=None):\n    \"\"\"Parse command line arguments.\"\"\"\n    parser = "
+
+
+@dataclass
+class Stats:
+    """Per-run statistics. accept_lens: tokens committed per verify step (accepted drafts + the bonus)."""
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    accept_lens: list = field(default_factory=list)
+    stage_s: dict = field(default_factory=lambda: {"draft": 0.0, "tree": 0.0, "verify": 0.0, "commit": 0.0})
+    stopped: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed: tokens after the first (which prefill produces) over the decode time."""
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def mean_accept(self) -> float:
+        return sum(self.accept_lens) / len(self.accept_lens) if self.accept_lens else 0.0
+
+    def histogram(self) -> dict[int, int]:
+        h: dict[int, int] = {}
+        for a in self.accept_lens:
+            h[a] = h.get(a, 0) + 1
+        return dict(sorted(h.items()))
+
+
+class _Clock:
+    """Stage timer; synchronizes CUDA so each stage's time is its own (eager mode is the teaching reference)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.t = time.perf_counter()
+
+    def lap(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        dt, self.t = now - self.t, now
+        return dt
+
+
+@torch.no_grad()
+def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, drafter=None, budget: int = 8,
+             chain: bool = False, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             stop_ids=(), seed: int = 0, max_seq_len: int | None = None, on_tokens=None,
+             show_tree=None, stats: Stats | None = None) -> list[int]:
+    """Decode up to max_new_tokens after prompt_ids. drafter=None or budget=0: autoregressive.
+    chain=True: the DFlash chain (the drafter's top-1 token at each of its block_size-1 positions).
+    on_tokens(list[int]) is called with each step's committed tokens (streaming). Returns the new tokens."""
+    stats = stats if stats is not None else Stats()
+    if not prompt_ids:
+        raise ValueError("empty prompt: give at least one token")
+    dev = model.embed_tokens.weight.device
+    vocab = model.args.vocab_size
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}")
+    max_seq_len = max_seq_len or model.max_seq_len or len(prompt_ids) + max_new_tokens + 80
+    if len(prompt_ids) >= max_seq_len:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the cache (--max-seq-len {max_seq_len})")
+    if model.kv_cache is None or model.max_seq_len < max_seq_len:
+        model.setup_cache(1, max_seq_len)
+    speculative = drafter is not None and (budget > 0 or chain)
+    taps = tuple(drafter.target_layer_ids) if speculative else ()
+    if speculative:
+        drafter.setup_cache(1, max_seq_len)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    stop = set(int(s) for s in stop_ids)
+    pick = lambda logits: V.sample(logits, temperature, top_k, top_p, gen)
+    out: list[int] = []
+
+    def emit(tokens: list[int]) -> bool:
+        """Append committed tokens; True when generation must stop (stop token or length limit)."""
+        n0 = len(out)
+        for t in tokens:
+            out.append(t)
+            if t in stop:
+                stats.stopped = "stop token"
+                break
+            if len(out) >= max_new_tokens:
+                stats.stopped = "max_new_tokens"
+                break
+        if on_tokens:
+            on_tokens(out[n0:])
+        return bool(stats.stopped)
+
+    # 0. prefill: the prompt's KV and (for the drafter) its tapped hidden states; the first token
+    clock = _Clock(dev)
+    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=dev)                       # [1, P]
+    res = model(prompt, start_pos=0, hidden_layers=taps, last_only=True)
+    logits, ctx_feats = res if taps else (res, None)
+    bonus = pick(logits[:, -1])                                                             # [1]
+    start, ctx_len = len(prompt_ids), 0      # start: tokens whose KV is cached; bonus sits at `start`
+    stats.prefill_s = clock.lap()
+    t_decode = clock.t
+    done = emit([int(bonus)])
+    n_nodes = budget + 1 if not chain else (drafter.block_size if speculative else 1)
+
+    while not done:
+        if speculative and start + n_nodes <= max_seq_len:
+            # 1. draft: one drafter forward proposes block_size-1 per-position distributions
+            draft_logits = drafter.draft_logits(model, bonus, ctx_feats, ctx_len)           # [1, L, V]
+            ctx_len += ctx_feats.shape[1]
+            stats.stage_s["draft"] += clock.lap()
+            # 2. build tree: the `budget` most probable prefixes (or the top-1 chain)
+            tr = (T.chain_tree_batched(draft_logits, bonus, drafter.block_size - 1) if chain
+                  else T.build_tree_batched(draft_logits, bonus, budget))
+            stats.stage_s["tree"] += clock.lap()
+            # 3. verify: one target forward over the whole tree (positions start + depth, ancestor mask)
+            ids, positions, mask = V.verify_inputs(tr, start)
+            logits, hidden = model(ids, start_pos=start, positions=positions, tree_mask=mask, hidden_layers=taps)
+            stats.stage_s["verify"] += clock.lap()
+            # 4. accept: the target's token at every node, then the longest matching path
+            accepted, accept_len, bonus = V.accept(tr, pick(logits))
+            n = int(accept_len)                      # the one small host read of the step
+            path = accepted[0, :n]
+            # 5. commit: the path's KV to contiguous slots; its hidden states become drafter context
+            if not V.path_is_contiguous(path.tolist(), n):
+                V.commit_kv(model.kv_cache, start, accepted, accept_len)
+            ctx_feats = hidden[:, path]                                                      # [1, n, taps*D]
+            new = tr.tokens[0, path[1:]].tolist() + [int(bonus)]
+            start += n
+            stats.stage_s["commit"] += clock.lap()
+            stats.accept_lens.append(n)
+            if show_tree:
+                show_tree(tr, path.tolist())
+        elif start + 1 <= max_seq_len:
+            # autoregressive step (also the fallback when a tree no longer fits in the cache)
+            logits = model(bonus.view(1, 1), start_pos=start)
+            bonus = pick(logits[:, -1])
+            new = [int(bonus)]
+            start += 1
+            stats.stage_s["verify"] += clock.lap()
+            stats.accept_lens.append(1)
+        else:
+            stats.stopped = f"cache full (--max-seq-len {max_seq_len})"
+            break
+        # 6. stream the committed tokens; stop on a stop token or the length limit
+        done = emit(new)
+    stats.new_tokens = len(out)
+    clock.lap()
+    stats.decode_s = clock.t - t_decode
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading and the command line
+
+
+def load_target(ckpt: str, device: torch.device, dtype: torch.dtype, progress: bool = True) -> M.Transformer:
+    args = M.ModelArgs.from_config(ckpt)
+    M.check_tp_divisibility(args, M.world_size)
+    torch.set_default_dtype(dtype)
+    with torch.device(device):
+        model = M.Transformer(args)
+    M.load_checkpoint(model, ckpt, progress=progress)
+    return model.eval()
+
+
+def load_draft(path: str, target: M.Transformer, device, dtype):
+    import draft as D
+    return D.load_drafter(path, target_args=target.args, device=device, dtype=dtype).eval()
+
+
+def _memory_report(device: torch.device) -> str:
+    s = f"peak host RSS {M.peak_rss_bytes() / 2**30:.2f} GiB"
+    if device.type == "cuda":
+        s += f", device memory {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB"
+    return s
+
+
+def _print_stats(stats: Stats, speculative: bool) -> None:
+    M.print0(f"\n[{stats.new_tokens} tokens in {stats.decode_s:.2f} s: {stats.tokens_per_s:.1f} tok/s, "
+             f"prefill {stats.prefill_s * 1000:.0f} ms" + (f", stopped: {stats.stopped}" if stats.stopped else "") + "]")
+    if speculative:
+        st = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in stats.stage_s.items())
+        M.print0(f"[mean accept length {stats.mean_accept:.2f} over {len(stats.accept_lens)} steps; "
+                 f"histogram {stats.histogram()}; {st}]")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = M.init_distributed()
+    if args.device:
+        device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[
+        args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    if args.no_triton:
+        import kernels
+        kernels.FORCE_REF = True
+    from tokenizer import Tokenizer
+    tok_dir = args.tokenizer or args.ckpt
+    tokenizer = Tokenizer.from_dir(tok_dir)
+    target = load_target(args.ckpt, device, dtype, progress=not args.quiet)
+    drafter = load_draft(args.draft, target, device, dtype) if args.draft and args.budget > 0 else None
+    M.print0(f"[loaded {args.ckpt}" + (f" + drafter {args.draft}" if drafter else "") + f" on {device}, "
+             f"{dtype}; {_memory_report(device)}]")
+    stop_ids = tokenizer.stop_ids
+    kw = dict(drafter=drafter, budget=args.budget, chain=args.chain, temperature=args.temperature,
+              top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_seq_len=args.max_seq_len)
+
+    def run(prompt_ids: list[int]) -> list[int]:
+        stream = StreamPrinter(tokenizer)
+        show = None
+        if args.show_tree:
+            show = lambda tr, path: M.print0("\n" + T.format_tree(tr, decode=lambda t: repr(tokenizer.decode([t])),
+                                                                  accepted=path))
+        stats = Stats()
+        ids = generate(target, prompt_ids, args.max_new_tokens, stop_ids=stop_ids if not args.raw else (),
+                       on_tokens=stream, show_tree=show, stats=stats, **kw)
+        stream.flush()
+        _print_stats(stats, drafter is not None)
+        return ids
+
+    if args.prompt_ids:
+        run([int(t) for t in args.prompt_ids.split(",")])
+    elif args.prompt is not None or not sys.stdin.isatty():
+        text = args.prompt if args.prompt is not None else sys.stdin.read()
+        if args.raw:
+            ids = tokenizer.encode(text)
+        else:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], thinking=args.thinking)
+        M.print0(text if args.raw else "", end="")
+        run(ids)
+    else:
+        interactive(tokenizer, run, args.thinking)
+    return 0
+
+
+class StreamPrinter:
+    """Prints committed tokens as they arrive, never a broken UTF-8 character (rank 0 only)."""
+
+    def __init__(self, tokenizer):
+        from tokenizer import StreamDecoder
+        self.dec = StreamDecoder(tokenizer)
+
+    def __call__(self, ids: list[int]) -> None:
+        M.print0(self.dec.push(ids), end="", flush=True)
+
+    def flush(self) -> None:
+        M.print0(self.dec.flush(), end="", flush=True)
+
+
+def interactive(tokenizer, run, thinking: bool) -> None:
+    """Multi-turn chat: history kept; /reset clears it, /exit or EOF ends. Under torchrun only rank 0 reads
+    the terminal and broadcasts the line to the others."""
+    history: list[dict] = []
+    while True:
+        line = _read_line("> ")
+        if line is None or line.strip() == "/exit":
+            return
+        if line.strip() == "/reset":
+            history = []
+            M.print0("[history cleared]")
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            ids = run(tokenizer.apply_chat_template(history, thinking=thinking))
+        except KeyboardInterrupt:
+            M.print0("\n[interrupted]")
+            history.pop()
+            continue
+        answer = tokenizer.decode([t for t in ids if t not in tokenizer.stop_ids])
+        history.append({"role": "assistant", "content": answer})
+
+
+def _read_line(prompt: str) -> str | None:
+    line = None
+    if M.rank == 0:
+        try:
+            line = input(prompt)
+        except EOFError:
+            line = None
+    if M.world_size > 1:
+        import torch.distributed as dist
+        box = [line]
+        dist.broadcast_object_list(box, src=0)     # every rank decodes the same prompt
+        line = box[0]
+    return line
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", default=BUNDLED_TARGET, help="target checkpoint dir (HF safetensors, K2/K2.6 layout)")
+    p.add_argument("--draft", default=None, help="DFlash drafter dir (default: the bundled one with the bundled model)")
+    p.add_argument("--tokenizer", default=None, help="dir with tiktoken.model + tokenizer_config.json (default: --ckpt)")
+    p.add_argument("--prompt", default=None, help="user message (chat template applied unless --raw)")
+    p.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text as is")
+    p.add_argument("--prompt-ids", default=None, help="comma-separated token ids (no tokenizer involved)")
+    p.add_argument("--thinking", action="store_true", help="K2.6 thinking mode (<think>) instead of instant")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (prompt + generated)")
+    p.add_argument("--budget", type=int, default=8, help="DDTree node budget (0: autoregressive)")
+    p.add_argument("--chain", action="store_true", help="DFlash chain instead of a tree")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--show-tree", action="store_true", help="print each step's tree with the accepted path")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
+    p.add_argument("--no-triton", action="store_true", help="force the PyTorch reference kernels")
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    if a.ckpt == BUNDLED_TARGET and a.draft is None:
+        a.draft = BUNDLED_DRAFT
+        if a.prompt is None and a.prompt_ids is None and sys.stdin.isatty():
+            a.prompt, a.raw = DEFAULT_PROMPT, True
+    if a.budget < 0 or a.budget > 1024:
+        p.error(f"--budget must be in [0, 1024], got {a.budget}")
+    if a.temperature < 0:
+        p.error(f"--temperature must be >= 0, got {a.temperature}")
+    if not 0 < a.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1], got {a.top_p}")
+    return a
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The decoding loop: greedy DDTree / DFlash chain == greedy autoregressive, token for token, and the KV
+cache after commits equals the autoregressive cache; sampling keeps the target's distribution.
+Run: python -m pytest -q tests/test_generate.py"""
+import pytest
+import torch
+
+import generate as G
+import tiny
+import tree as T
+import verify as V
+
+torch.set_default_dtype(torch.float32)
+
+
+class StubDrafter:
+    """Drafter stand-in with arbitrary logits: 'perfect' (knows the greedy continuation), 'random', or
+    'adversarial' (puts the true next token last). Exercises every acceptance length."""
+    target_layer_ids = (0, 2)
+
+    def __init__(self, kind, vocab, reference=None, block_size=5, seed=0):
+        self.kind, self.vocab, self.ref, self.block_size = kind, vocab, reference, block_size
+        self.g = torch.Generator().manual_seed(seed)
+        self.calls = []
+
+    def setup_cache(self, b, s):
+        pass
+
+    def draft_logits(self, target, last_token, ctx_feats, ctx_len):
+        start = ctx_len + ctx_feats.shape[1]          # position of last_token
+        self.calls.append((start, ctx_feats.shape[1]))
+        L = self.block_size - 1
+        logits = torch.randn(1, L, self.vocab, generator=self.g)
+        if self.kind in ("perfect", "adversarial") and self.ref is not None:
+            for d in range(L):
+                if start + 1 + d < len(self.ref):
+                    tok = self.ref[start + 1 + d]
+                    logits[0, d, tok] = 10.0 if self.kind == "perfect" else -10.0
+        return logits
+
+
+def _greedy_ar(model, prompt, n, **kw):
+    return G.generate(model, prompt, n, **kw)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny.random_model(tiny.text_config(), seed=11)
+
+
+PROMPTS = [(0, 1), (1, 9), (2, 30)]       # (seed, prompt length)
+
+
+@pytest.fixture(scope="module")
+def ar_runs(target):
+    """Greedy autoregressive reference for each prompt: (prompt, tokens, KV cache of the committed part)."""
+    runs = []
+    for seed, plen in PROMPTS:
+        prompt = torch.randint(0, 96, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ar = _greedy_ar(target, prompt, 32, max_seq_len=128)
+        runs.append((prompt, ar, target.kv_cache[:, 0, :len(prompt) + len(ar) - 1].clone()))
+    return runs
+
+
+@pytest.mark.parametrize("budget", [1, 2, 8, 16, 32])
+@pytest.mark.parametrize("kind", ["perfect", "random", "adversarial"])
+def test_greedy_ddtree_equals_autoregressive(target, ar_runs, budget, kind):
+    for seed, (prompt, ar, ar_cache) in enumerate(ar_runs):
+        drafter = StubDrafter(kind, 96, reference=prompt + ar, seed=seed)
+        stats = G.Stats()
+        dd = G.generate(target, prompt, 32, drafter=drafter, budget=budget, max_seq_len=128, stats=stats)
+        assert dd == ar, (kind, budget, seed)
+        n = min(ar_cache.shape[1], len(prompt) + sum(stats.accept_lens))
+        assert torch.allclose(target.kv_cache[:, 0, :n], ar_cache[:, :n], atol=1e-5, rtol=1e-5)
+        if kind == "perfect":
+            assert stats.mean_accept > 1.5
+        assert sum(stats.accept_lens) + 1 >= len(dd)
+
+
+def test_chain_mode_and_stops(target):
+    prompt = [3, 4, 5, 6]
+    ar = _greedy_ar(target, prompt, 30, max_seq_len=96)
+    full = prompt + ar
+    stats = G.Stats()
+    chain = G.generate(target, prompt, 30, drafter=StubDrafter("perfect", 96, full), chain=True,
+                       max_seq_len=96, stats=stats)
+    assert chain == ar and stats.mean_accept > 2
+    stop = ar[7]
+    first = ar.index(stop)
+    for budget in (0, 4, 16):
+        got = G.generate(target, prompt, 30, drafter=StubDrafter("perfect", 96, full), budget=budget,
+                         stop_ids=[stop], max_seq_len=96)
+        assert got == ar[:first + 1]
+
+
+def test_cache_limit_never_overflows(target):
+    prompt = list(range(10))
+    stats = G.Stats()
+    out = G.generate(target, prompt, 500, drafter=StubDrafter("random", 96), budget=8, max_seq_len=40, stats=stats)
+    assert len(prompt) + len(out) <= 40 + 1 and "cache full" in stats.stopped
+    ar = G.generate(target, prompt, 500, max_seq_len=40)
+    assert out == ar
+
+
+def test_streaming_callback_sees_every_token(target):
+    seen = []
+    out = G.generate(target, [1, 2, 3], 25, drafter=StubDrafter("random", 96), budget=4, on_tokens=seen.extend,
+                     max_seq_len=64)
+    assert seen == out and len(out) == 25
+
+
+def test_sampling_distribution_matches_target():
+    """Temperature-1 DDTree acceptance commits tokens distributed as the target: the first token follows
+    p(x1), and the second, given the first, follows p(x2 | x1). Vectorised over many independent rows with
+    target conditionals given by a table (so the expected distribution is exact)."""
+    torch.manual_seed(0)
+    V_, N_rows = 5, 40000
+    g = torch.Generator().manual_seed(3)
+    draft = torch.randn(1, 3, V_, generator=g)
+    tr = T.build_tree_batched(draft.expand(N_rows, -1, -1), torch.zeros(N_rows, dtype=torch.long), 6)
+    p1 = torch.randn(V_, generator=g).softmax(-1)                     # p(x1 | root)
+    p2 = torch.randn(V_, V_, generator=g).softmax(-1)                 # p(x2 | x1)
+    # the target's logits at each node depend only on the node's own token (depth >= 1) or the root
+    node_tok = tr.tokens
+    logits = torch.where((tr.depths == 0).unsqueeze(-1), p1.log().expand(N_rows, tr.tokens.shape[1], V_),
+                         p2.log()[node_tok])
+    targets = V.sample(logits, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    accepted, accept_len, bonus = V.accept(tr, targets)
+    path_tok = tr.tokens.gather(1, accepted)
+    x1 = torch.where(accept_len >= 2, path_tok[:, 1], bonus)
+    freq = torch.bincount(x1, minlength=V_).float() / N_rows
+    chi2 = (((freq - p1) ** 2) / p1).sum() * N_rows
+    assert chi2 < 20.5, (freq, p1)        # chi-square, 4 dof: p < 0.0005
+    for a in range(V_):
+        rows = (accept_len >= 2) & (x1 == a)
+        if rows.sum() < 2000:
+            continue
+        x2 = torch.where(accept_len[rows] >= 3, path_tok[rows, 2], bonus[rows])
+        f2 = torch.bincount(x2, minlength=V_).float() / rows.sum()
+        chi2 = (((f2 - p2[a]) ** 2) / p2[a]).sum() * rows.sum()
+        assert chi2 < 20.5, (a, f2, p2[a])

@@ -1,0 +1,211 @@
+"""model.py against transformers' DeepseekV3 and against itself (absorbed == naive, cache == no cache).
+Run: python -m pytest -q tests/test_model.py"""
+import json
+
+import pytest
+import torch
+
+import model as M
+import tiny
+
+torch.set_default_dtype(torch.float32)
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def hf_model(cfg, seed=0):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    hcfg = DeepseekV3Config(**{k: v for k, v in cfg.items() if k != "model_type"})
+    hf = DeepseekV3ForCausalLM(hcfg).eval()
+    tiny.randomize_(hf, seed)
+    return hf
+
+
+@pytest.mark.parametrize("over", [{}, {"n_group": 4, "topk_group": 2, "n_routed_experts": 16, "num_experts_per_tok": 4},
+                                  {"rope_scaling": None}])
+def test_parity_with_transformers(tmp_path, over):
+    cfg = tiny.text_config(**over)
+    hf = hf_model(cfg, seed=1)
+    hf.save_pretrained(tmp_path)
+    saved = json.load(open(tmp_path / "config.json"))
+    assert "rope_parameters" in saved          # transformers 5 spelling; our reader must accept it
+    ours = M.Transformer(M.ModelArgs.from_config(tmp_path))
+    M.load_checkpoint(ours, str(tmp_path))
+    tokens = torch.randint(0, cfg["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        got = ours(tokens)
+    assert rel_err(got, ref) <= 1e-4
+
+
+def test_yarn_softmax_scale_and_band():
+    args = M.ModelArgs.from_config(tiny.text_config(qk_rope_head_dim=64, qk_nope_head_dim=128, rope_scaling=dict(
+        type="yarn", factor=64.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
+        mscale_all_dim=1.0)))
+    mla = M.MLA(args)
+    assert abs(mla.softmax_scale - 0.144680) < 1e-5           # kimi_k2.md §0, K2.6 numbers
+    inv, af = M.rope_inv_freq(args)
+    base = 1.0 / (50000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    assert torch.equal(inv[:8], base[:8]) and torch.allclose(inv[20:], base[20:] / 64) and af == 1.0
+    assert not torch.allclose(inv[8:20], base[8:20]) and not torch.allclose(inv[8:20], base[8:20] / 64)
+
+
+def _prefill_then_decode(model, tokens, split, absorb_prefill=None):
+    model.setup_cache(tokens.shape[0], 64)
+    outs = [model(tokens[:, :split], start_pos=0, absorb=absorb_prefill)]
+    for t in range(split, tokens.shape[1]):
+        outs.append(model(tokens[:, t:t + 1], start_pos=t))
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("absorb_prefill", [False, True])
+def test_cached_absorbed_equals_full_naive(absorb_prefill):
+    model = tiny.random_model(tiny.text_config(), seed=2)
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        inc = _prefill_then_decode(model, tokens, 10, absorb_prefill)
+    assert rel_err(inc, full) <= 1e-4
+
+
+def test_tree_mask_and_positions_match_branches():
+    """Two branches verified in one forward (ancestor mask, positions = start + depth) give each branch's
+    logits as if it had been decoded alone."""
+    model = tiny.random_model(tiny.text_config(), seed=3)
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.randint(0, 96, (1, 7), generator=g)
+    a, b = torch.randint(0, 96, (3,), generator=g), torch.randint(0, 96, (2,), generator=g)
+    # tree: root r (node 0), branch a = nodes 1,2,3 (chain), branch b = nodes 4,5 (children of root)
+    root = torch.tensor([5])
+    ids = torch.cat([root, a, b]).view(1, -1)
+    parents = [-1, 0, 1, 2, 0, 4]
+    depth = torch.tensor([0, 1, 2, 3, 1, 2])
+    mask = torch.zeros(6, 6, dtype=torch.bool)
+    for i in range(6):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    with torch.no_grad():
+        model.setup_cache(1, 32)
+        model(prefix, start_pos=7 - 7)
+        tree = model(ids, start_pos=7, positions=7 + depth.view(1, -1), tree_mask=mask.view(1, 6, 6))
+        seq_a = model(torch.cat([prefix, root.view(1, 1), a.view(1, -1)], 1))[:, 7:]
+        seq_b = model(torch.cat([prefix, root.view(1, 1), b.view(1, -1)], 1))[:, 7:]
+    assert rel_err(tree[:, [0, 1, 2, 3]], seq_a) <= 1e-4
+    assert rel_err(tree[:, [0, 4, 5]], seq_b) <= 1e-4
+
+
+def test_hidden_layers_are_layer_outputs():
+    model = tiny.random_model(tiny.text_config(), seed=4)
+    tokens = torch.randint(0, 96, (1, 9))
+    with torch.no_grad():
+        logits, hid = model(tokens, hidden_layers=(0, 2))
+        h = model.embed_tokens(tokens)
+        cos, sin = M.rope_cos_sin(model.inv_freq, model.rope_attn_factor, torch.arange(9).view(1, -1), h.dtype)
+        outs = []
+        for layer in model.layers:
+            h = layer(h, cos, sin, None, None, None, False)
+            outs.append(h)
+    assert hid.shape == (1, 9, 2 * 64)
+    assert torch.allclose(hid, torch.cat([outs[0], outs[2]], -1), atol=1e-6)
+    assert torch.allclose(logits, model(tokens), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# K2.6 checkpoint layout, INT4, loader errors
+
+
+def test_k26_int4_roundtrip(tmp_path):
+    ref = tiny.write_k26(tmp_path, seed=5)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) == 3
+    args = M.ModelArgs.from_config(tmp_path)
+    assert args.nested and args.quant is not None and args.quant.group_size == 32
+    model = M.Transformer(args)
+    assert model.layers[1].mlp.experts.w13_packed.dtype == torch.int32     # packed in memory, never dequantized
+    M.load_checkpoint(model, str(tmp_path))
+    tokens = torch.randint(0, 96, (1, 20))
+    with torch.no_grad():
+        assert rel_err(model(tokens), ref(tokens)) <= 1e-4
+
+
+def _corrupt(tmp_path, fn):
+    """Rewrite the shard holding the tensor that fn selects."""
+    from safetensors.torch import load_file, save_file
+    index = json.load(open(tmp_path / "model.safetensors.index.json"))
+    name = fn(index["weight_map"])
+    fname = index["weight_map"][name]
+    tensors = load_file(tmp_path / fname)
+    return name, fname, tensors, lambda t: save_file(t, tmp_path / fname)
+
+
+def test_loader_errors(tmp_path):
+    tiny.write_k26(tmp_path, seed=6)
+
+    def load():
+        model = M.Transformer(M.ModelArgs.from_config(tmp_path))
+        M.load_checkpoint(model, str(tmp_path))
+
+    pick = lambda k: lambda wm: next(n for n in wm if n.endswith(k))
+    cases = [
+        ("layers.0.self_attn.q_a_proj.weight", lambda t, n: t.pop(n), "does not hold"),
+        ("layers.0.self_attn.kv_b_proj.weight", lambda t, n: t.__setitem__(n, t[n][:, :-1].contiguous()), "shape"),
+        ("layers.0.input_layernorm.weight", lambda t, n: t.__setitem__(n, t[n].to(torch.int32)), "dtype"),
+        ("experts.3.up_proj.weight_scale", lambda t, n: t.pop(n), "does not hold"),
+        ("experts.2.down_proj.weight_packed", lambda t, n: t.__setitem__(n, t[n][:, :-1].contiguous()), "int32 words"),
+        ("experts.2.gate_proj.weight_shape", lambda t, n: t.__setitem__(n, torch.tensor([5, 5], dtype=torch.int32)),
+         "weight_shape"),
+    ]
+    for suffix, change, word in cases:
+        name, fname, tensors, save = _corrupt(tmp_path, pick(suffix))
+        backup = dict(tensors)
+        change(tensors, name)
+        save(tensors)
+        with pytest.raises(M.CheckpointError) as e:
+            load()
+        msg = str(e.value)
+        assert word in msg and suffix.split(".")[-2] in msg, msg
+        save(backup)
+    load()   # restored: loads again
+    # a tensor absent from both the index and the shards is reported as missing
+    index = json.load(open(tmp_path / "model.safetensors.index.json"))
+    name = next(n for n in index["weight_map"] if n.endswith("layers.2.mlp.gate.weight"))
+    _, _, tensors, save = _corrupt(tmp_path, lambda wm: name)
+    tensors.pop(name)
+    save(tensors)
+    del index["weight_map"][name]
+    json.dump(index, open(tmp_path / "model.safetensors.index.json", "w"))
+    with pytest.raises(M.CheckpointError, match=r"missing tensors \['layers.2.mlp.gate.weight'\]"):
+        load()
+
+
+def test_config_errors(tmp_path):
+    for over, word in [({"scoring_func": "softmax"}, "scoring_func"), ({"topk_method": "greedy"}, "topk_method"),
+                       ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling type"),
+                       ({"model_type": "llama"}, "model_type")]:
+        with pytest.raises(ValueError, match=word):
+            M.ModelArgs.from_config(tiny.text_config(**over))
+    cfg = tiny.text_config()
+    del cfg["kv_lora_rank"]
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        M.ModelArgs.from_config(cfg)
+    bad = M.k26_config(tiny.text_config())
+    bad["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    bad["text_config"]["quantization_config"] = bad["quantization_config"]
+    with pytest.raises(ValueError, match="symmetric"):
+        M.ModelArgs.from_config(bad)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        M.ModelArgs.from_config(tmp_path)
+
+
+def test_missing_shard_named(tmp_path):
+    tiny.write_k26(tmp_path, seed=7)
+    victim = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    model = M.Transformer(M.ModelArgs.from_config(tmp_path))
+    with pytest.raises(M.CheckpointError, match=victim.name):
+        M.load_checkpoint(model, str(tmp_path))

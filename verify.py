@@ -1,0 +1,106 @@
+"""Tree verification for DDTree: the target's input for a candidate tree, the lossless acceptance rule,
+and the commit of the accepted path into the compressed KV cache.
+
+Invariants:
+  * one target forward verifies the whole tree: node i sits at position start + depth_i and attends to the
+    committed prefix plus its own ancestors, so its logits are exactly the logits autoregressive decoding
+    would compute after the path root..i;
+  * acceptance follows the target's own decoding rule (argmax, or one sample per node at temperature T),
+    so the committed tokens are distributed exactly as autoregressive decoding (greedy: token for token);
+  * after commit, cache slots [start, start + accept_len) hold the accepted path's KV in order, i.e. the
+    cache equals the cache of an autoregressive run over the same tokens;
+  * tensor ops only (no .item(), no per-node Python loop), so a whole step can be captured in a CUDA graph.
+
+Run the tests: python -m pytest -q tests/test_verify.py
+"""
+from __future__ import annotations
+
+import torch
+
+from tree import Tree
+
+
+def verify_inputs(tree: Tree, start_pos: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batched tree [B, N] -> (ids [B, N], positions [B, N], tree_mask [B, N, N]) for the target forward.
+    The target writes node i's KV to slot start + i; the mask lets node i see only its ancestors and itself
+    (the committed prefix before `start` is always visible, see model.MLA)."""
+    start = torch.as_tensor(start_pos, device=tree.tokens.device).view(-1, 1)                 # [B, 1]
+    positions = start + tree.depths                                                          # [B, N]
+    return tree.tokens, positions, tree.ancestor_mask
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of logits [..., V] (fp32): argmax at temperature 0, else a sample from
+    softmax(logits / T) restricted to the top-k / top-p set. No host synchronisation: the sample is
+    argmax(p / E) with E ~ Exponential(1), which is distributed as p (the exponential-race trick)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1)[0][..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p           # keep the smallest prefix reaching top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = logits.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def accept(tree: Tree, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The longest root-to-node path whose every token equals the target's token at its parent.
+
+    tree: batched [B, N]; target_tokens [B, N]: the target's (argmax or sampled) token after each node.
+    Returns accepted [B, N] (node indices of the path in depth order, root first; entries past accept_len
+    repeat the last node), accept_len [B] (nodes on the path incl. the root = tokens committed this step,
+    counting the bonus), bonus [B] (the target's token after the deepest accepted node).
+    """
+    B, N = tree.tokens.shape
+    parent = tree.parents.clamp(min=0)
+    parent_target = target_tokens.gather(1, parent)                                          # [B, N]
+    match = (tree.tokens == parent_target) & tree.valid                                      # [B, N]
+    match[:, 0] = True                                                                       # the root is committed
+    # a node is on an accepted path iff none of its ancestors (incl. itself) failed to match
+    ok = ~(tree.ancestor_mask & ~match.unsqueeze(1)).any(dim=-1)                             # [B, N]
+    # siblings carry distinct tokens, so at most one child of a node matches: the ok nodes form one chain
+    depth_if_ok = torch.where(ok, tree.depths, torch.full_like(tree.depths, -1))
+    deepest = depth_if_ok.argmax(dim=-1)                                                     # [B]
+    accept_len = tree.depths.gather(1, deepest[:, None]).squeeze(1) + 1                      # [B]
+    on_path = tree.ancestor_mask.gather(1, deepest.view(B, 1, 1).expand(B, 1, N)).squeeze(1)  # [B, N]
+    # scatter each path node to its depth; padding slots repeat the deepest node
+    slot = torch.where(on_path, tree.depths, torch.full_like(tree.depths, N))                # [B, N]
+    accepted = deepest.view(B, 1).repeat(1, N + 1)                                           # [B, N+1]
+    node_ids = torch.arange(N, device=tree.tokens.device).expand(B, N)
+    accepted.scatter_(1, slot, node_ids)
+    accepted = accepted[:, :N]
+    # entries past accept_len: the scatter wrote nothing there (or the dump column); force the deepest node
+    past = torch.arange(N, device=accepted.device).view(1, N) >= accept_len.view(B, 1)
+    accepted = torch.where(past, deepest.view(B, 1), accepted)
+    bonus = target_tokens.gather(1, deepest[:, None]).squeeze(1)
+    return accepted, accept_len, bonus
+
+
+def commit_kv(kv_cache: torch.Tensor, start_pos: torch.Tensor | int, accepted: torch.Tensor,
+              accept_len: torch.Tensor) -> None:
+    """Move the accepted path's KV (written at slots start + node) to slots start + [0, accept_len) for
+    every layer at once. kv_cache [n_layers, Bmax, S, C]; accepted [B, N]; accept_len [B].
+
+    Valid without recompute: the path's nodes sat at positions start + depth = exactly the slots they move
+    to, and each saw only its ancestors, i.e. causal attention along the path. Fixed shapes: slots past
+    accept_len copy onto themselves, so the same kernel serves every tree and can be graph-captured."""
+    B, N = accepted.shape
+    dev = accepted.device
+    start = torch.as_tensor(start_pos, device=dev).view(-1, 1).expand(B, 1)
+    j = torch.arange(N, device=dev).view(1, N)
+    dst = start + j                                                                          # [B, N]
+    src = torch.where(j < accept_len.view(B, 1), start + accepted, dst)                      # [B, N]
+    rows = torch.arange(B, device=dev).view(B, 1)
+    kv_cache[:, rows, dst] = kv_cache[:, rows, src]     # the right side is gathered first: no aliasing
+
+
+def path_is_contiguous(accepted: list[int], accept_len: int) -> bool:
+    """Host-side check (eager mode reads the path anyway): nodes 0..k-1 accepted means no KV moves."""
+    return accepted[:accept_len] == list(range(accept_len))
