@@ -94,11 +94,14 @@ class QuantArgs:
             raise bad(f"config_groups has {len(groups)} groups; exactly one is supported")
         g = next(iter(groups.values()))
         w = g.get("weights") or {}
-        checks = [("num_bits", 4), ("type", "int"), ("symmetric", True), ("strategy", "group"), ("dynamic", False)]
-        for key, want in checks:
-            if w.get(key) != want:
+        # (key, required value, compressed-tensors' default when the key is absent)
+        checks = [("num_bits", 4, None), ("type", "int", "int"), ("symmetric", True, True),
+                  ("strategy", "group", None), ("dynamic", False, False)]
+        for key, want, default in checks:
+            if w.get(key, default) != want:
                 raise bad(f"weights.{key} = {w.get(key)!r} is not supported (expected {want!r})")
-        if w.get("actorder") not in (None, False):
+        # "group" act-order stores a g_idx permutation; "weight"/"static" reorder only during calibration
+        if w.get("actorder") not in (None, False, "weight", "static"):
             raise bad(f"weights.actorder = {w.get('actorder')!r} is not supported (expected null)")
         if g.get("input_activations") or g.get("output_activations"):
             raise bad("activation quantization is not supported (W4A16 only)")
@@ -246,7 +249,7 @@ def _args_from_dict(cfg: dict, where: str) -> ModelArgs:
                     rope_attention_factor=rope.get("attention_factor"))
 
     quant = None
-    qcfg = cfg.get("quantization_config") or top.get("quantization_config")
+    qcfg = top.get("quantization_config") or cfg.get("quantization_config")   # top level first, as vLLM
     if qcfg:
         quant = QuantArgs.from_config(qcfg, where)
 
@@ -824,7 +827,7 @@ def load_checkpoint(model: Transformer, ckpt_dir: str, progress: bool = False) -
         except Exception as e:
             raise CheckpointError(f"{path}: cannot read as safetensors ({e})") from None
         with f:
-            file_names = list(f.keys())
+            file_names = set(f.keys())
             for name in (names if names is not None else file_names):
                 if name not in file_names:
                     raise CheckpointError(f"index says tensor {name} is in {fname}, but the file does not hold it")
@@ -834,13 +837,14 @@ def load_checkpoint(model: Transformer, ckpt_dir: str, progress: bool = False) -
                 sl = f.get_slice(name)
                 shape = tuple(sl.get_shape())
                 dtype = _DTYPES.get(sl.get_dtype())
+                layer = re.match(r"layers\.(\d+)\.", key)
+                if layer and int(layer[1]) >= model.args.num_hidden_layers:
+                    continue    # multi-token-prediction layers past num_hidden_layers: not used here
                 m = _EXPERT_RE.fullmatch(key)
                 if m:
                     nbytes += _load_expert(model, m, sl, shape, dtype, name, fname, expert_loaded)
                     continue
                 if key not in params:
-                    if re.match(r"layers\.(\d+)\.", key) and int(key.split(".")[1]) >= model.args.num_hidden_layers:
-                        continue    # multi-token-prediction layers past num_hidden_layers: not used here
                     raise CheckpointError(f"unexpected tensor {name} in {fname} (no such parameter)")
                 p = params[key]
                 if key in loaded:
@@ -910,7 +914,15 @@ def _load_expert(model, m, sl, shape, dtype, name, fname, loaded: set) -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident host memory of this process (Linux reports ru_maxrss in KiB)."""
+    """Peak resident host memory of this process. VmHWM, not ru_maxrss: a forked child (torchrun ranks,
+    test subprocesses) inherits its parent's ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
