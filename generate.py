@@ -75,10 +75,12 @@ class _Clock:
 def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, drafter=None, budget: int = 8,
              chain: bool = False, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_ids=(), seed: int = 0, max_seq_len: int | None = None, on_tokens=None,
-             show_tree=None, stats: Stats | None = None) -> list[int]:
+             show_tree=None, stats: Stats | None = None, mode: str = "eager") -> list[int]:
     """Decode up to max_new_tokens after prompt_ids. drafter=None or budget=0: autoregressive.
     chain=True: the DFlash chain (the drafter's top-1 token at each of its block_size-1 positions).
-    on_tokens(list[int]) is called with each step's committed tokens (streaming). Returns the new tokens."""
+    on_tokens(list[int]) is called with each step's committed tokens (streaming). Returns the new tokens.
+    mode: "eager" (the reference loop below), "static" (StaticStep: fixed-shape buffers written in place,
+    no host sync inside a step), "graph" (StaticStep replayed as a CUDA graph), "compile" (torch.compile)."""
     stats = stats if stats is not None else Stats()
     if not prompt_ids:
         raise ValueError("empty prompt: give at least one token")
@@ -93,8 +95,9 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
         model.setup_cache(1, max_seq_len)
     speculative = drafter is not None and (budget > 0 or chain)
     taps = tuple(drafter.target_layer_ids) if speculative else ()
-    if speculative:
-        drafter.setup_cache(1, max_seq_len)
+    # the drafter cache holds the context plus one padded block of rows (fixed-shape steps write them)
+    if speculative and (drafter.ctx_cache is None or drafter.ctx_cache.shape[3] < max_seq_len + drafter.block_size):
+        drafter.setup_cache(1, max_seq_len + drafter.block_size)
     gen = torch.Generator(device=dev).manual_seed(seed)
     stop = set(int(s) for s in stop_ids)
     pick = lambda logits: V.sample(logits, temperature, top_k, top_p, gen)
@@ -126,6 +129,23 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
     t_decode = clock.t
     done = emit([int(bonus)])
     n_nodes = budget + 1 if not chain else (drafter.block_size if speculative else 1)
+    if mode != "eager":
+        runner = StaticStep.get(model, drafter if speculative else None, budget, chain, temperature, top_k, top_p,
+                                graph=mode == "graph", compile=mode == "compile")
+        if speculative:
+            drafter.append_context(ctx_feats, 0)   # the prompt's features; steps then add only new rows
+        runner.load(bonus, start, ctx_len=len(prompt_ids))
+        torch.manual_seed(seed)                    # static steps sample with the default generator
+
+    while not done and mode != "eager":
+        if start + runner.N > max_seq_len:         # the next step would write past the cache
+            stats.stopped = f"cache full (--max-seq-len {max_seq_len})"
+            break
+        new = runner()                             # one host read per step: the committed tokens
+        start += len(new)
+        stats.accept_lens.append(len(new))
+        stats.stage_s["verify"] += clock.lap()
+        done = emit(new)
 
     while not done:
         if speculative and start + n_nodes <= max_seq_len:
@@ -172,6 +192,106 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
     clock.lap()
     stats.decode_s = clock.t - t_decode
     return out
+
+
+class StaticStep:
+    """One decoding step (draft, build tree, verify, accept, commit; or one autoregressive token) on static
+    buffers updated in place: fixed shapes, no host synchronisation inside, so the same step can be replayed
+    as a CUDA graph. Every input of the step (bonus token, cache lengths, drafter context rows) lives in a
+    buffer the step itself rewrites; nothing is passed in as a fresh tensor (the classic graph bug: a
+    captured graph keeps reading the tensor it was captured with)."""
+
+    _cache: dict = {}
+
+    @classmethod
+    def get(cls, model, drafter, budget, chain, temperature, top_k, top_p, graph=False, compile=False):
+        """One runner (and one captured graph) per shape and sampling setting, reused across calls."""
+        caches = (model.kv_cache.data_ptr(), drafter.ctx_cache.data_ptr() if drafter else 0)   # captured buffers
+        key = (id(model), id(drafter), caches, budget, chain, temperature, top_k, top_p, graph, compile)
+        if key not in cls._cache:
+            cls._cache[key] = cls(model, drafter, budget, chain, temperature, top_k, top_p, graph, compile)
+        return cls._cache[key]
+
+    def __init__(self, model, drafter, budget, chain, temperature, top_k, top_p, graph, compile):
+        self.model, self.drafter, self.budget, self.chain = model, drafter, budget, chain
+        self.sampling = (temperature, top_k, top_p)
+        dev = model.embed_tokens.weight.device
+        bs = drafter.block_size if drafter else 1
+        self.N = (bs if chain else budget + 1) if drafter else 1     # verify width: tokens per target forward
+        self.taps = tuple(drafter.target_layer_ids) if drafter else ()
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
+        self.bonus, self.start, self.ctx_len, self.n_ctx = z(1), z(1), z(1), z(1)
+        width = len(self.taps) * model.args.hidden_size
+        self.ctx_feats = torch.zeros(1, bs, width, dtype=model.embed_tokens.weight.dtype, device=dev)
+        self.out = z(self.N + 1)                   # [accept_len, committed tokens...]: one host copy
+        fn = self._spec_step if drafter else self._ar_step
+        self.fn = torch.compile(fn) if compile else fn
+        self.use_graph, self.graph = graph, None
+
+    def load(self, bonus: torch.Tensor, start: int, ctx_len: int) -> None:
+        self.bonus.copy_(bonus.view(1))
+        self.start.fill_(start)
+        self.ctx_len.fill_(ctx_len)
+        self.n_ctx.zero_()
+
+    def _spec_step(self) -> None:
+        m, d, temperature, top_k, top_p = self.model, self.drafter, *self.sampling
+        # 1. draft (the new context rows are ctx_feats[:, :n_ctx]; the padding rows stay invisible)
+        draft_logits = d.draft_logits(m, self.bonus, self.ctx_feats, self.ctx_len, n_valid=self.n_ctx)
+        self.ctx_len += self.n_ctx
+        # 2. build tree
+        tr = (T.chain_tree_batched(draft_logits, self.bonus, d.block_size - 1) if self.chain
+              else T.build_tree_batched(draft_logits, self.bonus, self.budget))
+        # 3. verify
+        ids, positions, mask = V.verify_inputs(tr, self.start)
+        logits, hidden = m(ids, start_pos=self.start, positions=positions, tree_mask=mask, hidden_layers=self.taps)
+        # 4. accept
+        accepted, accept_len, bonus = V.accept(tr, V.sample(logits, temperature, top_k, top_p))
+        # 5. commit: KV always copied (fixed shapes); the path's hidden states become the next context rows
+        V.commit_kv(m.kv_cache, self.start, accepted, accept_len)
+        k = min(self.N, d.block_size)
+        self.ctx_feats[:, :k] = hidden.gather(1, accepted[:, :k, None].expand(-1, -1, hidden.shape[-1]))
+        self.n_ctx.copy_(accept_len)
+        # committed tokens: the path's drafted tokens (nodes 1..len-1), then the bonus
+        path_tokens = torch.cat([tr.tokens.gather(1, accepted)[:, 1:], bonus[:, None]], dim=1)   # [1, N]
+        j = torch.arange(self.N, device=bonus.device)
+        self.out[1:] = torch.where(j == accept_len - 1, bonus, path_tokens[0])
+        self.out[0] = accept_len[0]
+        self.start += accept_len
+        self.bonus.copy_(bonus)
+
+    def _ar_step(self) -> None:
+        logits = self.model(self.bonus.view(1, 1), start_pos=self.start)
+        tok = V.sample(logits[:, -1], *self.sampling)
+        self.out[1] = tok[0]
+        self.out[0] = 1
+        self.start += 1
+        self.bonus.copy_(tok)
+
+    def _capture(self) -> None:
+        """Warm up on a side stream (kernels compiled, allocator settled), restore the step's inputs, capture."""
+        saved = [t.clone() for t in (self.bonus, self.start, self.ctx_len, self.n_ctx, self.ctx_feats)]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self.fn()
+        torch.cuda.current_stream().wait_stream(s)
+        for t, v in zip((self.bonus, self.start, self.ctx_len, self.n_ctx, self.ctx_feats), saved):
+            t.copy_(v)      # warm-up steps wrote only slots past the committed prefix: harmless
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.fn()
+
+    def __call__(self) -> list[int]:
+        if self.use_graph:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+        else:
+            self.fn()
+        out = self.out.tolist()                    # the step's one device-to-host copy
+        return out[1:1 + out[0]]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -485,7 +485,9 @@ class MLA(nn.Module):
             cache = cache[:, :start_pos + T]   # eager: read only the live part
         else:
             prefix = start_pos
-        attn = kernels.mla_tree_attention if kernels.use_triton(q_nope.device) else kernels.mla_tree_attention_ref
+        # the kernel packs each query's tree mask into one 64-bit word: T <= 64 (budget <= 63)
+        fast = kernels.use_triton(q_nope.device) and T <= 64
+        attn = kernels.mla_tree_attention if fast else kernels.mla_tree_attention_ref
         o_lat = attn(q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)                # [B, T, H, R]
         return torch.einsum("bthr,hdr->bthd", o_lat, wkv_b[:, self.nope:])                     # [B, T, H, v]
 
@@ -675,8 +677,8 @@ class Transformer(nn.Module):
                 raise RuntimeError("call setup_cache(max_batch_size, max_seq_len) before a cached forward")
             if isinstance(start_pos, int) and start_pos + T > self.max_seq_len:
                 raise ValueError(f"cache overflow: start_pos {start_pos} + {T} tokens > max_seq_len {self.max_seq_len}")
-        if absorb is None:
-            absorb = start_pos is not None and T <= ABSORB_MAX_T
+        if absorb is None:   # a tensor start_pos (graph-captured steps) always takes the fixed-shape absorbed path
+            absorb = start_pos is not None and (T <= ABSORB_MAX_T or not isinstance(start_pos, int))
         h = self.embed_tokens(tokens)                                                       # [B, T, D]
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_attn_factor, positions, h.dtype)
         taps = []

@@ -138,3 +138,44 @@ def test_sampling_distribution_matches_target():
         f2 = torch.bincount(x2, minlength=V_).float() / rows.sum()
         chi2 = (((f2 - p2[a]) ** 2) / p2[a]).sum() * rows.sum()
         assert chi2 < 20.5, (a, f2, p2[a])
+
+
+@pytest.fixture(scope="module")
+def real_drafter(target):
+    import draft as D
+    d = D.DFlashDrafter(D.DraftArgs.from_config(D.tiny_draft_config(target.args)))
+    tiny.randomize_(d, seed=5, std=0.3)
+    return d
+
+
+@pytest.mark.parametrize("budget,chain", [(0, False), (1, False), (4, False), (16, False), (70, False), (0, True)])
+def test_static_step_equals_eager(target, real_drafter, budget, chain):
+    """The fixed-shape, sync-free step (what --cuda-graph captures) commits exactly the eager loop's tokens,
+    including budget 70 (> 64: the attention falls back to the reference path) and the chain."""
+    prompt = [7, 3, 9, 1, 4]
+    drafter = real_drafter if (budget or chain) else None
+    eager, static = G.Stats(), G.Stats()
+    a = G.generate(target, prompt, 30, drafter=drafter, budget=budget, chain=chain, max_seq_len=160, stats=eager)
+    b = G.generate(target, prompt, 30, drafter=drafter, budget=budget, chain=chain, max_seq_len=160, stats=static,
+                   mode="static")
+    assert a == b
+    assert eager.accept_lens == static.accept_lens
+
+
+def test_static_step_equals_eager_sampling(target, real_drafter):
+    """At temperature 1 both loops consume the same random stream only in the AR case; check validity instead:
+    the static loop's tokens are in range and the step count adds up."""
+    st = G.Stats()
+    out = G.generate(target, [1, 2, 3], 20, drafter=real_drafter, budget=8, temperature=1.0, max_seq_len=96,
+                     stats=st, mode="static")
+    assert len(out) == 20 and all(0 <= t < 96 for t in out) and sum(st.accept_lens) + 1 >= 20
+
+
+def test_no_host_sync_in_step_functions():
+    import inspect
+    import verify as V
+    for fn in (G.StaticStep._spec_step, G.StaticStep._ar_step, V.verify_inputs, V.sample, V.accept, V.commit_kv,
+               T.build_tree_batched, T.chain_tree_batched):
+        src = inspect.getsource(fn)
+        for bad in (".item()", ".tolist()", ".cpu()", "int(", ".numpy()"):
+            assert bad not in src, (fn.__qualname__, bad)

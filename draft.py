@@ -1,0 +1,492 @@
+"""
+draft.py: the DFlash block-diffusion drafter (z-lab, "DFlash: Block Diffusion for Flash Speculative
+Decoding", arXiv 2602.06036), loaded from the public checkpoints (z-lab/Kimi-K2.6-DFlash etc.).
+
+    python -m pytest -q tests/test_draft.py   # drafter == plain equations; incremental == recompute
+
+One forward drafts a whole block: the input is [last committed token, MASK x (block_size-1)] embedded
+with the *target's* embedding; every drafter layer attends, non-causally, over K/V projected from fused
+target hidden states ("context features": the outputs of the target layers in target_layer_ids) plus
+the block's own K/V. The output goes through the *target's* lm_head. The drafter has no embedding and
+no lm_head of its own. Positions: context row j sits at position j, the block at ctx_len + n_new + i.
+
+Invariant: the per-layer context K/V cache filled incrementally (each round appends only the features
+of the tokens committed last round, at slots ctx_len..) equals recomputing it from all context
+features at once; block K/V are never stored. The drafter never sees rejected branches: the caller
+passes features of accepted tokens only, and a row's stale slots >= ctx_len are overwritten before
+they become visible. The drafter is small (~3.5B for Kimi), so every TP rank holds all of it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import model as M
+from model import CheckpointError, RMSNorm
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default taps: evenly spaced from layer 1 to layer T-3 (Python round, as upstream)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Config: a Qwen3Config plus block_size, num_target_layers, dflash_config{mask_token_id, target_layer_ids}
+
+
+@dataclass
+class DraftArgs:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int                     # Qwen3: independent of hidden_size / num_attention_heads
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    block_size: int                   # tokens per drafted block, root included: drafts block_size-1
+    num_target_layers: int            # depth of the target the drafter was trained against
+    mask_token_id: int
+    target_layer_ids: list[int]       # 0-indexed target layers whose OUTPUTS are concatenated
+    vocab_size: int | None = None
+    attention_bias: bool = False
+    # rope
+    rope_type: str = "default"        # "default" or "yarn"
+    rope_factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float | None = None   # explicit cos/sin amplitude; None: 1 + 0.1 ln(factor)
+    # newer z-lab fields, absent from the Kimi files (then identity)
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @property
+    def fc_in(self) -> int:           # width of the concatenated context features
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @staticmethod
+    def from_config(path_or_dict) -> "DraftArgs":
+        if isinstance(path_or_dict, dict):
+            return _draft_args_from_dict(path_or_dict, "drafter config")
+        where = str(path_or_dict)
+        if os.path.isdir(where):
+            where = os.path.join(where, "config.json")
+        if not os.path.exists(where):
+            raise FileNotFoundError(f"{where}: config.json not found")
+        try:
+            with open(where) as f:
+                cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e})") from None
+        return _draft_args_from_dict(cfg, where)
+
+
+def _draft_args_from_dict(cfg: dict, where: str) -> DraftArgs:
+    dcfg = cfg.get("dflash_config") or {}
+
+    def bad(key, msg):
+        return ValueError(f"{where}: {key} {msg}")
+
+    def need(key):
+        if cfg.get(key) is None:
+            raise bad(key, "is missing (required)")
+        return cfg[key]
+
+    def dflash(key, default=None, required=False):   # upstream: dflash_config first, then the top level
+        v = dcfg.get(key, cfg.get(key))
+        if v is None and required:
+            raise bad(f"dflash_config.{key}", "is missing (required)")
+        return default if v is None else v
+
+    if cfg.get("model_type", "qwen3") != "qwen3":
+        raise bad("model_type", f"= {cfg['model_type']!r} is not supported (expected 'qwen3')")
+    archs = [a for a in cfg.get("architectures") or [] if a != "DFlashDraftModel"]
+    if archs:
+        raise bad("architectures", f"= {archs} is not supported (expected ['DFlashDraftModel'])")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise bad("hidden_act", f"= {cfg['hidden_act']!r} is not supported (expected 'silu')")
+    sliding = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
+    if sliding or cfg.get("use_sliding_window"):
+        raise bad("layer_types", f"has {sliding or 'use_sliding_window'}: sliding-window drafter layers "
+                                 f"are not supported (only 'full_attention')")
+    if dflash("is_causal"):
+        raise bad("is_causal", "= true is not supported (DFlash blocks attend non-causally)")
+
+    # Rope: older files say rope_theta + rope_scaling; transformers 5 writes rope_parameters.
+    rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
+    theta = cfg.get("rope_theta", rope.get("rope_theta"))
+    if theta is None:
+        raise bad("rope_theta", "is missing (neither rope_theta nor rope_parameters.rope_theta)")
+    rope_type = rope.get("rope_type", rope.get("type")) or "default"
+    if rope_type not in ("default", "yarn"):
+        raise bad("rope_scaling.rope_type", f"= {rope_type!r} is not supported (expected 'yarn' or none)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise bad("partial_rotary_factor", f"= {rope['partial_rotary_factor']} is not supported (expected 1)")
+    yarn = {}
+    if rope_type == "yarn":
+        for key in ("factor", "original_max_position_embeddings"):
+            if rope.get(key) is None:
+                raise bad(f"rope_scaling.{key}", "is missing (required for yarn)")
+        af = rope.get("attention_factor")
+        yarn = dict(rope_factor=float(rope["factor"]),
+                    original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                    beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                    rope_truncate=bool(rope.get("truncate", True)),
+                    rope_attention_factor=None if af is None else float(af))
+
+    n_heads, hidden = need("num_attention_heads"), need("hidden_size")
+    ids, mask_id = dflash("target_layer_ids", required=True), dflash("mask_token_id", required=True)
+    cap = dflash("final_logit_softcapping")
+    args = DraftArgs(
+        hidden_size=hidden, intermediate_size=need("intermediate_size"), num_hidden_layers=need("num_hidden_layers"),
+        num_attention_heads=n_heads, num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
+        head_dim=cfg.get("head_dim") or hidden // n_heads, rms_norm_eps=float(need("rms_norm_eps")),
+        rope_theta=float(theta), max_position_embeddings=need("max_position_embeddings"),
+        block_size=int(need("block_size")), num_target_layers=int(need("num_target_layers")),
+        mask_token_id=int(mask_id), target_layer_ids=[int(i) for i in ids], vocab_size=cfg.get("vocab_size"),
+        attention_bias=bool(cfg.get("attention_bias", False)), rope_type=rope_type,
+        input_embedding_scale=float(dflash("input_embedding_scale", 1.0)),
+        output_multiplier=float(dflash("output_multiplier", 1.0)),
+        final_logit_softcapping=float(cap) if cap else None, **yarn)
+    if n_heads % args.num_key_value_heads:
+        raise bad("num_key_value_heads", f"= {args.num_key_value_heads} does not divide num_attention_heads = {n_heads}")
+    if args.head_dim % 2 or args.block_size < 2 or not ids:
+        raise bad("head_dim/block_size/target_layer_ids", f"= {args.head_dim}/{args.block_size}/{ids}: need an "
+                                                          f"even head_dim, block_size >= 2, at least one layer id")
+    return args
+
+
+def check_compatible(d: DraftArgs, t: M.ModelArgs) -> None:
+    """Reject a drafter that cannot run on this target, before anything is loaded or computed."""
+    T = t.num_hidden_layers
+    for i in d.target_layer_ids:
+        if not 0 <= i < T:
+            raise ValueError(f"drafter target_layer_ids contains {i}, outside the target's layers [0, {T}) "
+                             f"(target num_hidden_layers = {T})")
+    if list(d.target_layer_ids) != sorted(set(d.target_layer_ids)):
+        # model.Transformer concatenates the taps in layer order; DFlash concatenates in list order
+        raise ValueError(f"drafter target_layer_ids {d.target_layer_ids} must be strictly increasing")
+    if d.num_target_layers != T:
+        raise ValueError(f"drafter num_target_layers = {d.num_target_layers} but target num_hidden_layers = {T}")
+    if d.hidden_size != t.hidden_size:
+        raise ValueError(f"drafter hidden_size = {d.hidden_size} but target hidden_size = {t.hidden_size}")
+    # The fc input width is then len(target_layer_ids) x target hidden_size by construction; a checkpoint whose
+    # fc.weight disagrees is rejected by load_drafter's shape check, which names that product.
+    if d.vocab_size is not None and d.vocab_size != t.vocab_size:
+        raise ValueError(f"drafter vocab_size = {d.vocab_size} but target vocab_size = {t.vocab_size}")
+    if not 0 <= d.mask_token_id < t.vocab_size:
+        raise ValueError(f"drafter mask_token_id = {d.mask_token_id} is outside the target vocab_size = {t.vocab_size}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary embedding, Qwen3 style: NeoX halves (rotate_half) over the full head_dim.
+
+
+def rope_inv_freq(a: DraftArgs) -> tuple[torch.Tensor, float]:
+    """Return (inv_freq [head_dim/2] fp32, amplitude applied to cos/sin), YaRN computed like transformers."""
+    dim, base = a.head_dim, a.rope_theta
+    pos_freq = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)               # [hd/2]
+    if a.rope_type != "yarn":
+        return 1.0 / pos_freq, 1.0
+
+    def corr_dim(rot: float) -> float:    # frequency index that turns `rot` times over the original length
+        return dim * math.log(a.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(base))
+    low, high = corr_dim(a.beta_fast), corr_dim(a.beta_slow)
+    if a.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001                      # avoid a division by zero in the ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    inv_freq = (1.0 / (a.rope_factor * pos_freq)) * ramp + (1.0 / pos_freq) * (1 - ramp)
+    # Amplitude: the Kimi DFlash checkpoints were trained with the legacy YaRN amplitude 1 + 0.1 ln(factor)
+    # (1.416 for factor 64). Newer transformers/vLLM derive mscale/mscale_all_dim = 1 from the same config
+    # and lose it, which lowers acceptance (vllm-ascend forces the legacy value). An explicit
+    # rope_scaling.attention_factor in the file still wins.
+    af = a.rope_attention_factor
+    if af is None:
+        af = 1.0 + 0.1 * math.log(a.rope_factor) if a.rope_factor > 1 else 1.0
+    return inv_freq, float(af)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, amp: float, positions: torch.Tensor, dtype) -> tuple:
+    """positions [B, T] -> cos, sin [B, T, head_dim] (fp32 angles, cast like transformers)."""
+    ang = positions.float().unsqueeze(-1) * inv_freq                                     # [B, T, hd/2]
+    ang = torch.cat([ang, ang], dim=-1)                                                   # [B, T, hd]
+    return (ang.cos() * amp).to(dtype), (ang.sin() * amp).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, hd]: rotate the pairs (x[i], x[i + hd/2]) by cos/sin [B, T, hd]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rot = torch.cat([-x2, x1], dim=-1)                                                    # rotate_half(x)
+    return x * cos.unsqueeze(2) + rot * sin.unsqueeze(2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers. Replicated on every TP rank: model.py's Linear with shard_dim None, plus Qwen3's optional bias.
+
+
+class Linear(M.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: DraftArgs):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        D, b = a.hidden_size, a.attention_bias
+        self.q_proj = Linear(D, self.n_heads * self.hd, b)
+        self.k_proj = Linear(D, self.n_kv * self.hd, b)
+        self.v_proj = Linear(D, self.n_kv * self.hd, b)
+        self.o_proj = Linear(self.n_heads * self.hd, D, b)
+        self.q_norm = RMSNorm(self.hd, a.rms_norm_eps)     # per head, before rope (Qwen3)
+        self.k_norm = RMSNorm(self.hd, a.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> roped K, V [B, T, n_kv, hd]. The same projections serve the context features
+        (fused target hiddens, no input_layernorm) and the block hidden states ("KV injection")."""
+        B, T, _ = x.shape
+        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd)), cos, sin)
+        return k, self.v_proj(x).view(B, T, self.n_kv, self.hd)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask) -> torch.Tensor:
+        """x [B, bs, D]; ctx_k/ctx_v [B, S, n_kv, hd]; ctx_mask None or bool [B, S] (visible slots)."""
+        B, bs, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(B, bs, self.n_heads, self.hd)), cos, sin)
+        k, v = self.kv(x, cos, sin)
+        k, v = torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1)               # [B, S+bs, n_kv, hd]
+        mask = None    # no mask at all: every block token sees every context slot and every block token
+        if ctx_mask is not None:
+            mask = torch.cat([ctx_mask, ctx_mask.new_ones(B, bs)], dim=1)[:, None, None]  # [B, 1, 1, S+bs]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, scale=self.hd ** -0.5, enable_gqa=True)
+        return self.o_proj(o.transpose(1, 2).flatten(2))                                  # [B, bs, D]
+
+
+class MLP(nn.Module):
+    def __init__(self, a: DraftArgs):
+        super().__init__()
+        self.gate_proj = Linear(a.hidden_size, a.intermediate_size)
+        self.up_proj = Linear(a.hidden_size, a.intermediate_size)
+        self.down_proj = Linear(a.intermediate_size, a.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, a: DraftArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = Attention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = MLP(a)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Module names match the checkpoint tensors (fc, hidden_norm, layers.{i}...., norm)."""
+
+    def __init__(self, args: DraftArgs):
+        super().__init__()
+        self.args = args
+        self.fc = Linear(args.fc_in, args.hidden_size)
+        self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.layers = nn.ModuleList(Layer(args) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.ctx_cache = None    # [n_layers, 2 (K, V), Bmax, max_ctx, n_kv, hd], allocated by setup_cache
+        self.inv_freq = None     # fp32 on the weights' device, set by setup_cache (so .to(bf16) can't round it)
+        self.rope_amp = rope_inv_freq(args)[1]
+
+    block_size = property(lambda self: self.args.block_size)
+    mask_token_id = property(lambda self: self.args.mask_token_id)
+    target_layer_ids = property(lambda self: list(self.args.target_layer_ids))
+
+    def setup_cache(self, max_batch_size: int, max_ctx_len: int) -> None:
+        a, w = self.args, self.fc.weight
+        self.ctx_cache = torch.zeros(a.num_hidden_layers, 2, max_batch_size, max_ctx_len, a.num_key_value_heads,
+                                     a.head_dim, dtype=w.dtype, device=w.device)
+        self.inv_freq = rope_inv_freq(a)[0].to(w.device)                                  # [hd/2] fp32
+
+    @torch.no_grad()
+    def forward(self, block_embeds: torch.Tensor, ctx_feats: torch.Tensor, ctx_len, n_valid=None) -> torch.Tensor:
+        """block_embeds [B, bs, D]; ctx_feats [B, n_new, n_taps*D]: features of the tokens at positions
+        ctx_len .. ctx_len+n_new-1 (committed since the last call), appended to the context cache.
+        ctx_len: int, or LongTensor [B] (per-row cache length; then every row attends over the whole
+        cache, masked to its own slots < ctx_len+n_new: fixed shapes, no host sync). Returns the
+        normalized hidden states [B, bs, D] of the block at positions ctx_len+n_new ...+bs-1. With a tensor
+        ctx_len the caller keeps ctx_len + n_new <= max_ctx_len (not checked: that would sync the host).
+        n_valid: LongTensor [B] (with a tensor ctx_len): only the first n_valid rows of ctx_feats are real
+        context (fixed-shape CUDA-graph steps pad the rows); the padding rows are written past the live
+        slots, stay invisible, and the next call overwrites them."""
+        if self.ctx_cache is None:
+            raise RuntimeError("call setup_cache(max_batch_size, max_ctx_len) before the drafter forward")
+        B, bs, _ = block_embeds.shape
+        n_new, dev, max_ctx = ctx_feats.shape[1], block_embeds.device, self.ctx_cache.shape[3]
+        if isinstance(ctx_len, int):
+            if ctx_len + n_new > max_ctx:
+                raise ValueError(f"drafter context overflow: ctx_len {ctx_len} + {n_new} new rows > max_ctx_len {max_ctx}")
+            start = torch.full((B,), ctx_len, dtype=torch.long, device=dev)               # [B]
+            S, ctx_mask = ctx_len + n_new, None           # eager: read only the live slots
+        else:
+            start = ctx_len.to(dev, torch.long)                                           # [B]
+            S = max_ctx
+        live = start + (n_new if n_valid is None else n_valid)                            # [B] context after append
+        if not isinstance(ctx_len, int):
+            ctx_mask = torch.arange(S, device=dev) < live[:, None]                        # [B, S]
+        ctx_pos = start[:, None] + torch.arange(n_new, device=dev)                        # [B, n_new] = cache slots
+        blk_pos = live[:, None] + torch.arange(bs, device=dev)                            # [B, bs]
+        rows = torch.arange(B, device=dev)[:, None]                                       # [B, 1]
+        dtype = self.fc.weight.dtype
+        cos_c, sin_c = rope_cos_sin(self.inv_freq, self.rope_amp, ctx_pos, dtype)
+        cos_b, sin_b = rope_cos_sin(self.inv_freq, self.rope_amp, blk_pos, dtype)
+        f = self.hidden_norm(self.fc(ctx_feats.to(dtype)))                                # [B, n_new, D]
+        h = block_embeds.to(dtype)
+        for i, layer in enumerate(self.layers):
+            # 1) append the new context rows' K/V to this layer's cache (positions = slots)
+            k_cache, v_cache = self.ctx_cache[i, 0], self.ctx_cache[i, 1]                 # [Bmax, max_ctx, n_kv, hd]
+            k, v = layer.self_attn.kv(f, cos_c, sin_c)
+            k_cache[rows, ctx_pos], v_cache[rows, ctx_pos] = k, v
+            # 2) the block attends over all cached context + itself; its own K/V are not stored
+            h = layer(h, cos_b, sin_b, k_cache[:B, :S], v_cache[:B, :S], ctx_mask)
+        return self.norm(h)
+
+    @torch.no_grad()
+    def append_context(self, ctx_feats: torch.Tensor, ctx_len: int) -> None:
+        """Write context rows' K/V without drafting (the prompt, before fixed-shape steps take over)."""
+        f = self.hidden_norm(self.fc(ctx_feats.to(self.fc.weight.dtype)))                # [B, n, D]
+        B, n, _ = f.shape
+        pos = ctx_len + torch.arange(n, device=f.device).expand(B, n)                     # [B, n]
+        cos, sin = rope_cos_sin(self.inv_freq, self.rope_amp, pos, f.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(f, cos, sin)
+            self.ctx_cache[i, 0, :B, ctx_len:ctx_len + n] = k
+            self.ctx_cache[i, 1, :B, ctx_len:ctx_len + n] = v
+
+    @torch.no_grad()
+    def draft_logits(self, target: M.Transformer, last_token: torch.Tensor, ctx_feats: torch.Tensor,
+                     ctx_len, n_valid=None) -> torch.Tensor:
+        """last_token [B] (last committed / bonus token) -> fp32 logits [B, bs-1, V] for the block_size-1
+        tokens after it, in global vocab order (target.head gathers the TP shards)."""
+        a, B = self.args, last_token.shape[0]
+        block = torch.full((B, a.block_size), a.mask_token_id, dtype=torch.long, device=last_token.device)
+        block[:, 0] = last_token          # slot 0 must be the real token (MASK there collapses acceptance)
+        x = target.embed_tokens(block)                                                   # [B, bs, D]
+        if a.input_embedding_scale != 1.0:
+            x = x * a.input_embedding_scale
+        h = self.forward(x, ctx_feats, ctx_len, n_valid)                                           # [B, bs, D]
+        logits = target.head(h[:, 1:].to(target.lm_head.weight.dtype))                   # [B, bs-1, V]
+        if a.output_multiplier != 1.0:
+            logits = logits * a.output_multiplier
+        if a.final_logit_softcapping:
+            logits = torch.tanh(logits / a.final_logit_softcapping) * a.final_logit_softcapping
+        return logits
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: config.json + model.safetensors (or index + shards), unprefixed names like the public ones.
+
+_ALIASES = (("model.", ""), ("midlayer.", "layers.0."), ("encoder.fc.", "fc."))   # optional prefix, vLLM renames
+
+
+def _param_name(name: str) -> str:
+    for old, new in _ALIASES:
+        if name.startswith(old):
+            name = new + name[len(old):]
+    return name
+
+
+@torch.no_grad()
+def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None, dtype=None) -> DFlashDrafter:
+    """Read config.json, check it against the target (before loading anything), build the drafter on
+    `device` in `dtype` and load every tensor exactly once with its expected shape."""
+    from safetensors import safe_open
+    args = DraftArgs.from_config(path)
+    if target_args is not None:
+        check_compatible(args, target_args)
+    dtype = dtype or torch.get_default_dtype()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)       # allocate in the final dtype (no fp32 copy of a 3.5B model)
+    try:
+        with torch.device(device or "cpu"):
+            drafter = DFlashDrafter(args)
+    finally:
+        torch.set_default_dtype(old)
+    params, loaded = dict(drafter.named_parameters()), set()
+    for fname, names in sorted(M._shard_files(path).items()):
+        with safe_open(os.path.join(path, fname), framework="pt", device="cpu") as f:
+            for name in names if names is not None else list(f.keys()):
+                key = _param_name(name)
+                if key not in params:
+                    raise CheckpointError(f"unexpected tensor {name} in {fname} (no such drafter parameter)")
+                if key in loaded:
+                    raise CheckpointError(f"tensor {name} appears twice (again in {fname})")
+                t, p = f.get_tensor(name), params[key]
+                if not t.is_floating_point():
+                    raise CheckpointError(f"tensor {name} in {fname} has dtype {t.dtype}, expected a float")
+                if t.shape != p.shape:
+                    why = (f" ({len(args.target_layer_ids)} target_layer_ids x hidden_size {args.hidden_size} "
+                           f"input columns)") if key == "fc.weight" else ""
+                    raise CheckpointError(f"tensor {name} in {fname} has shape {list(t.shape)}, expected "
+                                          f"{list(p.shape)}{why}")
+                p.copy_(t)
+                loaded.add(key)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise CheckpointError(f"{path}: missing drafter tensors {missing[:5]}"
+                              + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""))
+    return drafter
+
+
+def write_drafter(path: str, drafter_or_state, config: dict, n_shards: int = 1) -> None:
+    """Write config.json + model.safetensors (or n_shards shards + index) in the public DFlash layout."""
+    from safetensors.torch import save_file
+    state = drafter_or_state.state_dict() if isinstance(drafter_or_state, nn.Module) else drafter_or_state
+    state = {k: v.detach().contiguous() for k, v in state.items()}
+    if n_shards > 1:
+        M.save_checkpoint(state, config, path, n_shards=n_shards, vision=False, prefix="")
+        return
+    os.makedirs(path, exist_ok=True)
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def tiny_draft_config(target_args: M.ModelArgs, **over) -> dict:
+    """A tiny DFlash config for `target_args`, with the public files' fields: 2 layers, GQA 4/2, head_dim
+    != hidden/heads, YaRN, block_size 4, mask token = vocab - 2 (as Kimi's 163838 of 163840)."""
+    T, D, V = target_args.num_hidden_layers, target_args.hidden_size, target_args.vocab_size
+    n_layers = over.get("num_hidden_layers", 2)
+    ids = sorted({min(max(i, 0), T - 1) for i in build_target_layer_ids(T, n_layers)})
+    cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=D, intermediate_size=2 * D,
+               num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+               hidden_act="silu", rms_norm_eps=1e-6, rope_theta=50000.0,
+               rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32, beta_fast=32.0,
+                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+               max_position_embeddings=256, attention_bias=False, vocab_size=V, tie_word_embeddings=False,
+               block_size=4, num_target_layers=T,
+               dflash_config=dict(mask_token_id=V - 2, target_layer_ids=ids))
+    cfg.update(over)
+    return cfg

@@ -1,0 +1,321 @@
+"""
+tree.py: build the DDTree draft tree from one drafter pass, on the GPU, with no host sync.
+
+    python tree.py                          # prints a small demo tree
+    python -m pytest -q tests/test_tree.py  # tensor builder == heap reference, bit for bit
+
+The drafter (DFlash) gives per-position marginals for the L = block_size - 1 tokens after the root
+(the previous bonus token). DDTree (Ringel & Romano, 2026) drafts the B most probable prefixes
+under the factorized distribution Q(y) = prod_d q_d(y_d); the target then verifies all of them in
+one forward. Definitions, shared bit for bit by every builder in this file:
+
+  draft_logits [L, V]  row d-1 predicts the token at depth d (the root has depth 0)
+  logp_d     = log_softmax(draft_logits[d-1].float())
+  ranks      tokens of each depth ordered by (logp_d desc, token id asc); keep K = min(B, V)
+  prefix     a tuple of ranks (r_1..r_d); score = ((0 + logp_1[r_1]) + logp_2[r_2]) + ...,
+             accumulated in depth order in float32 (so every builder rounds identically)
+  key        (-score, rank tuple), tuples compared like Python tuples: a proper prefix sorts
+             before its extensions
+  tree       the first B prefixes by key (B = budget, the root is not counted), numbered
+             1..B in key order. This is the pop order of the reference best-first heap.
+
+Invariant: node 0 is the root; every node's parent has a smaller index (parents precede
+children), depths <= L, scores are non-increasing in node order, and the output always has
+exactly N = B + 1 nodes (fixed shapes for CUDA graphs). When V is so small that fewer than B
+prefixes exist (K + K^2 + ... + K^L < B) the tail is filled with padding nodes:
+valid = False, token = root token, parent = -1, depth = 0, score = -inf, ancestor_mask row =
+itself only. A padding node is nobody's child, so a walk over children never accepts it, and
+its attention row is well defined (it sees the committed context and itself, at the root's
+position); verify simply discards its output. Whether a node is padding depends only on
+(V, L, B), never on the logit values.
+
+API: build_tree(logits [L, V], root, B) / build_tree_batched(logits [b, L, V], roots [b], B)
+-> Tree (fields [B+1], or [b, B+1] batched); build_tree_ref (the heap, for tests and teaching);
+chain_tree(_batched) (the DFlash chain in the same format); print_tree / format_tree.
+Measured on one H200 (Kimi vocab V=163840, L=7, b=1): build_tree_batched replayed as a CUDA
+graph takes 0.54 ms at B=8, 0.63 ms at B=16, 0.74 ms at B=64 (0.2 ms of it is the vocab sort);
+eager it is launch-bound at ~2.9 ms. NaN logits are not supported.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, fields
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Tree:
+    tokens: torch.Tensor         # [..., N] int64 token ids; tokens[0] = root (previous bonus token)
+    parents: torch.Tensor        # [..., N] int64 parent node index; -1 for the root and padding
+    depths: torch.Tensor         # [..., N] int64 0 for root and padding; verify uses start + depths
+    scores: torch.Tensor         # [..., N] float32 log Q(prefix); 0 for root, -inf for padding
+    valid: torch.Tensor          # [..., N] bool, False only for padding nodes
+    ancestor_mask: torch.Tensor  # [..., N, N] bool, row i: i's ancestors (root included) and i
+
+    def __getitem__(self, i) -> Tree:
+        """Index the batch dim: tree[b] is row b of a batched tree."""
+        return Tree(*(getattr(self, f.name)[i] for f in fields(self)))
+
+    def to(self, device: torch.device | str) -> Tree:
+        return Tree(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+
+def _rank_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k (logp, token) per depth, ordered by (logp desc, token id asc)."""
+    logp = F.log_softmax(draft_logits.float(), dim=-1)  # [..., L, V]
+    # a stable sort keeps equal logps in increasing token id; topk's tie order is unspecified.
+    # (the full-vocab sort is the price of that determinism: ~0.2 ms for [7, 163840] on an H200)
+    lp, tok = torch.sort(logp, dim=-1, descending=True, stable=True)  # [..., L, V]
+    return lp[..., :k], tok[..., :k]
+
+
+# -----------------------------------------------------------------------------
+# Reference: the best-first heap of the paper (Algorithm 1). CPU, Python; tests and teaching.
+
+def build_tree_ref(draft_logits: torch.Tensor, root: int | torch.Tensor, budget: int) -> Tree:
+    """DDTree by best-first search over rank tuples, as in liranringel/ddtree (returns CPU tensors).
+
+    Each pop pushes the node's next sibling and its first child. Pushed keys never precede the
+    popped key (logp <= 0), so pops come out in key order and the first B pops are the tree.
+    """
+    L, V = draft_logits.shape
+    B, K = budget, min(budget, V)
+    assert B >= 0
+    lp, tok = _rank_tokens(draft_logits, K)
+    lp, tok = lp.cpu().numpy(), tok.cpu().tolist()  # [L, K] each; numpy keeps float32 arithmetic
+    zero = np.float32(0.0)
+    tokens, parents, depths, scores = [int(root)], [-1], [0], [zero]
+    # heap entry: (-score, rank tuple, parent node, parent score); the tuple breaks score ties
+    heap = [(-(zero + lp[0, 0]), (0,), 0, zero)] if K > 0 and L > 0 else []
+    while heap and len(tokens) <= B:
+        neg_score, ranks, parent, parent_score = heapq.heappop(heap)
+        score, d, r, node = -neg_score, len(ranks), ranks[-1], len(tokens)
+        tokens.append(tok[d - 1][r]); parents.append(parent); depths.append(d); scores.append(score)
+        if r + 1 < K:  # next sibling: parent_score + logp, never score - logp[r] + logp[r+1] (rounding)
+            sib = parent_score + lp[d - 1, r + 1]
+            heapq.heappush(heap, (-sib, ranks[:-1] + (r + 1,), parent, parent_score))
+        if d < L:  # first child
+            heapq.heappush(heap, (-(score + lp[d, 0]), ranks + (0,), node, score))
+    # pad to the fixed size B + 1 (only happens when fewer than B prefixes exist)
+    n, N = len(tokens), B + 1
+    tokens += [int(root)] * (N - n); parents += [-1] * (N - n); depths += [0] * (N - n)
+    scores += [np.float32(-np.inf)] * (N - n)
+    # ancestor mask, built incrementally like the reference: parents precede children
+    mask = torch.zeros(N, N, dtype=torch.bool)  # [N, N]
+    for i in range(N):
+        if 0 < i < n:
+            mask[i] = mask[parents[i]]
+        mask[i, i] = True
+    return Tree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), depths=torch.tensor(depths),
+                scores=torch.tensor(np.array(scores, dtype=np.float32)),
+                valid=torch.arange(N) < n, ancestor_mask=mask)
+
+
+# -----------------------------------------------------------------------------
+# Tensor builder: same tree, fixed shapes, no host round trip (CUDA-graph friendly).
+
+def _lex_order(paths: torch.Tensor, k: int) -> torch.Tensor:
+    """Permutation that sorts rank tuples like Python tuples (a proper prefix first).
+
+    paths [b, M, L] holds each tuple padded with -1. Padding sorts below every rank, so a prefix
+    sorts before its extensions, and tuples of different lengths otherwise compare at their first
+    differing rank. LSD radix sort: stable sorts from the last column to the first; several
+    columns are packed into one int64 word per pass (digit = rank + 1 in [0, k]).
+    """
+    b, M, L = paths.shape
+    digits = paths + 1                                                 # [b, M, L]
+    bits = max(1, k.bit_length())
+    per_word = max(1, 62 // bits)                                      # stay below 2^62: no sign bit
+    order = torch.arange(M, device=paths.device).expand(b, M)         # [b, M]
+    for hi in range(L, 0, -per_word):
+        word = torch.zeros(b, M, dtype=torch.long, device=paths.device)  # [b, M]
+        for c in range(max(0, hi - per_word), hi):  # first column = most significant digit
+            word = (word << bits) | digits[:, :, c]
+        order = order.gather(1, word.gather(1, order).sort(dim=1, stable=True).indices)
+    return order
+
+
+def _ancestor_mask(parents: torch.Tensor, depth_limit: int) -> torch.Tensor:
+    """[b, N] parents (-1 = none) -> [b, N, N] bool: row i = i and all of its ancestors."""
+    b, N = parents.shape
+    eye = torch.eye(N, dtype=torch.bool, device=parents.device).expand(b, N, N)  # [b, N, N]
+    has_parent = (parents >= 0)[:, :, None]                                      # [b, N, 1]
+    idx = parents.clamp(min=0)[:, :, None].expand(b, N, N)                       # [b, N, N]
+    mask = eye
+    for _ in range(depth_limit):  # after k rounds every row of depth <= k is complete
+        mask = eye | (mask.gather(1, idx) & has_parent)  # row i |= row parent(i)
+    return mask
+
+
+def _assemble(roots: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, dep: torch.Tensor,
+              score: torch.Tensor, budget: int, depth_limit: int) -> Tree:
+    """Prepend the root, pad to N = budget + 1 with padding nodes, build the ancestor mask.
+
+    tok/par/dep/score are [b, n] for the n <= budget real non-root nodes, in node order 1..n.
+    """
+    b, n = tok.shape
+    pad, dev = budget - n, tok.device
+    col = lambda v, m, dt: torch.full((b, m), v, dtype=dt, device=dev)  # [b, m]
+    tokens = torch.cat([roots[:, None], tok, roots[:, None].expand(b, pad)], dim=1)     # [b, N]
+    parents = torch.cat([col(-1, 1, torch.long), par, col(-1, pad, torch.long)], dim=1)  # [b, N]
+    depths = torch.cat([col(0, 1, torch.long), dep, col(0, pad, torch.long)], dim=1)     # [b, N]
+    scores = torch.cat([col(0.0, 1, torch.float32), score,
+                        col(float("-inf"), pad, torch.float32)], dim=1)                 # [b, N]
+    valid = (torch.arange(budget + 1, device=dev) <= n).expand(b, budget + 1)           # [b, N]
+    return Tree(tokens, parents, depths, scores, valid, _ancestor_mask(parents, depth_limit))
+
+
+def build_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int],
+                       budget: int) -> Tree:
+    """[b, L, V] logits, [b] roots -> Tree with fields [b, B+1] (mask [b, B+1, B+1]).
+
+    Per-depth top-B expansion. The best B prefixes overall form a prefix-closed set, and each of
+    their depth-d members has fewer than B better prefixes at depth d, so it survives a top-B
+    cut among the children of the depth d-1 survivors. Merging all depths' survivors and taking
+    the first B by key therefore gives exactly the heap's tree, in the heap's order.
+    """
+    bsz, L, V = draft_logits.shape
+    B, K = budget, min(budget, V)
+    assert B >= 0
+    dev = draft_logits.device
+    roots = torch.as_tensor(roots, dtype=torch.long, device=dev).reshape(bsz)  # [b]
+    if B == 0 or L == 0:  # root-only tree (plus padding)
+        empty = torch.zeros(bsz, 0, dtype=torch.long, device=dev)  # [b, 0]
+        return _assemble(roots, empty, empty, empty, empty.float(), B, L)
+    lp, tok = _rank_tokens(draft_logits, K)  # [b, L, K]
+
+    # 1) Per-depth expansion. Each depth's survivors are kept in lexicographic order of their
+    # rank tuples, so children laid out as (parent, rank) row-major are lexicographic too, and
+    # a stable sort by score puts them in key order: ties fall back to the tuple order for free.
+    # (A frontier kept in *score* order would break ties between children of parents with
+    # different scores the wrong way: see test_frontier_lex_order_regression.)
+    f_score = torch.zeros(bsz, 1, dtype=torch.float32, device=dev)   # [b, 1] the root
+    f_path = torch.zeros(bsz, 1, 0, dtype=torch.long, device=dev)    # [b, 1, 0] empty tuple
+    scores, tokens, parents, depths, paths = [], [], [], [], []
+    prev_start, total = -1, 0  # candidate id of the previous depth's first survivor; count so far
+    for d in range(L):
+        n_prev = f_score.shape[1]
+        cand = (f_score[:, :, None] + lp[:, d, None, :]).flatten(1)  # [b, n_prev*K] f32, lex order
+        n_keep = min(B, n_prev * K)
+        best = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :n_keep]  # key order
+        keep = best.sort(dim=1).values                         # [b, n_keep] back to lex order
+        parent, rank = keep // K, keep % K                     # [b, n_keep] each
+        f_score = cand.gather(1, keep)                         # [b, n_keep]
+        f_path = torch.cat([f_path.gather(1, parent[:, :, None].expand(bsz, n_keep, d)),
+                            rank[:, :, None]], dim=2)          # [b, n_keep, d+1]
+        scores.append(f_score)
+        tokens.append(tok[:, d].gather(1, rank))
+        parents.append(parent + prev_start if d > 0 else torch.full_like(parent, -1))  # -1: root
+        depths.append(torch.full_like(parent, d + 1))
+        paths.append(F.pad(f_path, (0, L - d - 1), value=-1))  # [b, n_keep, L]
+        prev_start, total = total, total + n_keep
+    score, tok_all = torch.cat(scores, 1), torch.cat(tokens, 1)  # [b, M] each
+    par_all, dep_all = torch.cat(parents, 1), torch.cat(depths, 1)  # [b, M] each
+    M = score.shape[1]
+    n = min(B, M)  # fewer than B only when V is tiny: static, so padding is shape-determined
+
+    # 2) Merge the depths: stable sort by score on top of the global lexicographic order
+    lex = _lex_order(torch.cat(paths, 1), K)                                         # [b, M]
+    by_key = torch.sort(score.gather(1, lex), dim=1, descending=True, stable=True).indices
+    sel = lex.gather(1, by_key[:, :n])  # [b, n] candidate ids in node order 1..n
+
+    # 3) Relabel candidate ids to node indices; every selected node's parent is selected too
+    node_of = torch.zeros(bsz, M, dtype=torch.long, device=dev).scatter_(
+        1, sel, torch.arange(1, n + 1, device=dev).expand(bsz, n))                   # [b, M]
+    par_c = par_all.gather(1, sel)                                                   # [b, n]
+    par = torch.where(par_c >= 0, node_of.gather(1, par_c.clamp(min=0)), 0)          # [b, n]
+    return _assemble(roots, tok_all.gather(1, sel), par, dep_all.gather(1, sel),
+                     score.gather(1, sel), B, L)
+
+
+def build_tree(draft_logits: torch.Tensor, root: int | torch.Tensor, budget: int) -> Tree:
+    """[L, V] logits and a root token (int or 0-d tensor) -> Tree with fields [B+1]."""
+    return build_tree_batched(draft_logits[None], torch.as_tensor(root).reshape(1), budget)[0]
+
+
+# -----------------------------------------------------------------------------
+# DFlash chain: the top-1 token at each depth, in the same Tree format.
+
+def chain_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int],
+                       length: int) -> Tree:
+    """[b, L, V] -> chain of min(length, L) nodes below the root, padded to length + 1 nodes."""
+    bsz, L, V = draft_logits.shape
+    dev, n = draft_logits.device, min(length, L)
+    roots = torch.as_tensor(roots, dtype=torch.long, device=dev).reshape(bsz)  # [b]
+    logp = F.log_softmax(draft_logits[:, :n].float(), dim=-1)                 # [b, n, V]
+    tok = logp.argmax(dim=-1)  # [b, n]; argmax returns the first maximum = lowest token id
+    lp = logp.gather(2, tok[:, :, None])[:, :, 0]                            # [b, n]
+    score, acc = [], torch.zeros(bsz, dtype=torch.float32, device=dev)
+    for d in range(n):  # accumulate in depth order, like the tree builders (not cumsum: rounding)
+        acc = acc + lp[:, d]
+        score.append(acc)
+    score = torch.stack(score, 1) if n else lp                                 # [b, n]
+    par = torch.arange(n, device=dev).expand(bsz, n)                           # node i+1 -> i
+    return _assemble(roots, tok, par, par + 1, score, length, L)
+
+
+def chain_tree(draft_logits: torch.Tensor, root: int | torch.Tensor, length: int) -> Tree:
+    """[L, V] logits -> the DFlash chain (top-1 per depth) as a Tree with fields [length+1]."""
+    return chain_tree_batched(draft_logits[None], torch.as_tensor(root).reshape(1), length)[0]
+
+
+# -----------------------------------------------------------------------------
+# Teaching view
+
+def format_tree(tree: Tree, decode: Callable[[int], str] | None = None,
+                accepted: Sequence[int] | torch.Tensor | None = None) -> str:
+    """Indented view of one (unbatched) tree: node index, token, Q(prefix) = exp(score).
+
+    `accepted` (node indices, e.g. verify's accepted path) are marked with '*'.
+    """
+    assert tree.tokens.dim() == 1, "format one tree at a time: format_tree(tree[b])"
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    scores, valid = tree.scores.tolist(), tree.valid.tolist()
+    marked = set(torch.as_tensor(accepted).tolist()) if accepted is not None else set()
+    show = (lambda t: repr(decode(t))) if decode else str
+    children = [[] for _ in tokens]
+    for i in range(1, len(tokens)):
+        if valid[i]:
+            children[parents[i]].append(i)
+    lines = []
+
+    def walk(i: int, indent: str, branch: str) -> None:
+        prob = "root" if i == 0 else f"q={np.exp(scores[i]):.4f}"
+        lines.append(f"{'*' if i in marked else ' '} {indent}{branch}[{i}] {show(tokens[i])}  {prob}")
+        kids = children[i]
+        for j, c in enumerate(kids):
+            last = j == len(kids) - 1
+            # children of a node are listed in node (= key) order, i.e. most probable first
+            walk(c, indent + ("" if i == 0 else ("    " if branch == "└── " else "│   ")),
+                 "└── " if last else "├── ")
+
+    walk(0, "", "")
+    if not all(valid):
+        lines.append(f"  (+ {valid.count(False)} padding nodes)")
+    return "\n".join(lines)
+
+
+def print_tree(tree: Tree, decode: Callable[[int], str] | None = None,
+               accepted: Sequence[int] | torch.Tensor | None = None) -> None:
+    print(format_tree(tree, decode, accepted))
+
+
+if __name__ == "__main__":
+    # A toy drafter over a 10-word vocabulary: peaked at depth 1, more uncertain deeper down.
+    words = ["the", "cat", "dog", "sat", "ran", "on", "mat", "away", ".", "a"]
+    torch.manual_seed(0)
+    logits = torch.randn(4, len(words)) * torch.tensor([[4.0], [3.0], [2.0], [1.5]])  # [L=4, V=10]
+    tree = build_tree(logits, root=0, budget=12)
+    assert all((getattr(tree, f.name) == getattr(build_tree_ref(logits, 0, 12), f.name)).all()
+               for f in fields(tree))
+    # pretend the target agreed with the deepest node's path
+    deepest = int(tree.depths.argmax())
+    accepted = tree.ancestor_mask[deepest].nonzero()[:, 0]
+    print(f"DDTree, L={logits.shape[0]}, V={len(words)}, budget=12 ('*' = accepted path)")
+    print_tree(tree, decode=words.__getitem__, accepted=accepted)
+    print("\nDFlash chain, length 4")
+    print_tree(chain_tree(logits, 0, 4), decode=words.__getitem__)
