@@ -480,15 +480,18 @@ class MLA(nn.Module):
         B, T = q_nope.shape[:2]
         wkv_b = self._wkv_b()
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :self.nope])                  # [B, T, H, R]
+        prefix = start_pos
         if isinstance(start_pos, int):
-            prefix = torch.full((B,), start_pos, dtype=torch.long, device=q_nope.device)
-            cache = cache[:, :start_pos + T]   # eager: read only the live part
+            prefix = torch.full((B,), start_pos, dtype=torch.long, device=q_nope.device)      # [B]
+        # the kernel packs each query's tree mask into one 64-bit word (T <= 64, i.e. budget <= 63) and
+        # tiles R and P with power-of-two blocks; it reads only the live slots of the full cache itself
+        pow2 = lambda n: n >= 16 and n & (n - 1) == 0
+        if kernels.use_triton(q_nope.device) and T <= 64 and pow2(self.kv_lora_rank) and pow2(self.rope):
+            o_lat = kernels.mla_tree_attention(q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)
         else:
-            prefix = start_pos
-        # the kernel packs each query's tree mask into one 64-bit word: T <= 64 (budget <= 63)
-        fast = kernels.use_triton(q_nope.device) and T <= 64
-        attn = kernels.mla_tree_attention if fast else kernels.mla_tree_attention_ref
-        o_lat = attn(q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)                # [B, T, H, R]
+            if isinstance(start_pos, int):
+                cache = cache[:, :start_pos + T]     # eager reference: read only the live part
+            o_lat = kernels.mla_tree_attention_ref(q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)
         return torch.einsum("bthr,hdr->bthd", o_lat, wkv_b[:, self.nope:])                     # [B, T, H, v]
 
 
