@@ -27,6 +27,7 @@ import verify as V
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUNDLED_TARGET = os.path.join(HERE, "checkpoints", "tiny-k2")
 BUNDLED_DRAFT = os.path.join(HERE, "checkpoints", "tiny-k2-dflash")
+MAX_BUDGET = 1024      # verify width B+1; above 63 the attention takes the reference path (see model.MLA)
 DEFAULT_PROMPT = "def parse_args(argv=None):\n    \"\"\"Parse command line arguments.\"\"\"\n    parser = "
 
 
@@ -75,12 +76,13 @@ class _Clock:
 def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, drafter=None, budget: int = 8,
              chain: bool = False, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_ids=(), seed: int = 0, max_seq_len: int | None = None, on_tokens=None,
-             show_tree=None, stats: Stats | None = None, mode: str = "eager") -> list[int]:
+             show_tree=None, stats: Stats | None = None, mode: str = "eager", debug: bool = False) -> list[int]:
     """Decode up to max_new_tokens after prompt_ids. drafter=None or budget=0: autoregressive.
     chain=True: the DFlash chain (the drafter's top-1 token at each of its block_size-1 positions).
     on_tokens(list[int]) is called with each step's committed tokens (streaming). Returns the new tokens.
     mode: "eager" (the reference loop below), "static" (StaticStep: fixed-shape buffers written in place,
-    no host sync inside a step), "graph" (StaticStep replayed as a CUDA graph), "compile" (torch.compile)."""
+    no host sync inside a step), "graph" (StaticStep replayed as a CUDA graph), "compile" (torch.compile).
+    debug: check every layer's output for NaN/inf, and under TP that all ranks committed the same tokens."""
     stats = stats if stats is not None else Stats()
     if not prompt_ids:
         raise ValueError("empty prompt: give at least one token")
@@ -121,7 +123,7 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
     # 0. prefill: the prompt's KV and (for the drafter) its tapped hidden states; the first token
     clock = _Clock(dev)
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=dev)                       # [1, P]
-    res = model(prompt, start_pos=0, hidden_layers=taps, last_only=True)
+    res = model(prompt, start_pos=0, hidden_layers=taps, last_only=True, debug=debug)
     logits, ctx_feats = res if taps else (res, None)
     bonus = pick(logits[:, -1])                                                             # [1]
     start, ctx_len = len(prompt_ids), 0      # start: tokens whose KV is cached; bonus sits at `start`
@@ -159,7 +161,8 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
             stats.stage_s["tree"] += clock.lap()
             # 3. verify: one target forward over the whole tree (positions start + depth, ancestor mask)
             ids, positions, mask = V.verify_inputs(tr, start)
-            logits, hidden = model(ids, start_pos=start, positions=positions, tree_mask=mask, hidden_layers=taps)
+            logits, hidden = model(ids, start_pos=start, positions=positions, tree_mask=mask, hidden_layers=taps,
+                                   debug=debug)
             stats.stage_s["verify"] += clock.lap()
             # 4. accept: the target's token at every node, then the longest matching path
             accepted, accept_len, bonus = V.accept(tr, pick(logits))
@@ -177,7 +180,7 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
                 show_tree(tr, path.tolist())
         elif start + 1 <= max_seq_len:
             # autoregressive step (also the fallback when a tree no longer fits in the cache)
-            logits = model(bonus.view(1, 1), start_pos=start)
+            logits = model(bonus.view(1, 1), start_pos=start, debug=debug)
             bonus = pick(logits[:, -1])
             new = [int(bonus)]
             start += 1
@@ -187,11 +190,24 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
             stats.stopped = f"cache full (--max-seq-len {max_seq_len})"
             break
         # 6. stream the committed tokens; stop on a stop token or the length limit
+        if debug:
+            check_ranks_agree(new)
         done = emit(new)
     stats.new_tokens = len(out)
     clock.lap()
     stats.decode_s = clock.t - t_decode
     return out
+
+
+def check_ranks_agree(tokens: list[int]) -> None:
+    """--debug under TP: every rank must have committed the same tokens this step."""
+    if M.world_size == 1:
+        return
+    import torch.distributed as dist
+    seen = [None] * M.world_size
+    dist.all_gather_object(seen, tokens)
+    if any(s != seen[0] for s in seen):
+        raise RuntimeError(f"ranks disagree on the committed tokens: {seen}")
 
 
 class StaticStep:
@@ -330,7 +346,19 @@ def _print_stats(stats: Stats, speculative: bool) -> None:
 
 
 def main(argv=None) -> int:
+    """CLI entry: a user mistake (bad path, config, flag, prompt) prints one line and exits 2;
+    --debug shows the traceback instead."""
     args = parse_args(argv)
+    try:
+        return _main(args)
+    except (FileNotFoundError, ValueError, RuntimeError, KeyError) as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
     device = M.init_distributed()
     if args.device:
         device = torch.device(args.device)
@@ -347,8 +375,12 @@ def main(argv=None) -> int:
     M.print0(f"[loaded {args.ckpt}" + (f" + drafter {args.draft}" if drafter else "") + f" on {device}, "
              f"{dtype}; {_memory_report(device)}]")
     stop_ids = tokenizer.stop_ids
+    mode = "eager" if args.eager else ("graph" if args.cuda_graph else ("compile" if args.compile else "eager"))
+    if mode == "graph" and device.type != "cuda":
+        raise ValueError("--cuda-graph needs a CUDA device")
     kw = dict(drafter=drafter, budget=args.budget, chain=args.chain, temperature=args.temperature,
-              top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_seq_len=args.max_seq_len)
+              top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_seq_len=args.max_seq_len, mode=mode,
+              debug=args.debug)
 
     def run(prompt_ids: list[int]) -> list[int]:
         stream = StreamPrinter(tokenizer)
@@ -454,14 +486,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
     p.add_argument("--no-triton", action="store_true", help="force the PyTorch reference kernels")
+    p.add_argument("--cuda-graph", action="store_true", help="replay each step as a captured CUDA graph")
+    p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step")
+    p.add_argument("--eager", action="store_true", help="force the eager reference loop (the default)")
+    p.add_argument("--debug", action="store_true", help="NaN/inf checks per layer, TP agreement, full tracebacks")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     if a.ckpt == BUNDLED_TARGET and a.draft is None:
         a.draft = BUNDLED_DRAFT
         if a.prompt is None and a.prompt_ids is None and sys.stdin.isatty():
             a.prompt, a.raw = DEFAULT_PROMPT, True
-    if a.budget < 0 or a.budget > 1024:
-        p.error(f"--budget must be in [0, 1024], got {a.budget}")
+    if a.budget < 0 or a.budget > MAX_BUDGET:
+        p.error(f"--budget must be in [0, {MAX_BUDGET}], got {a.budget}")
+    if a.max_new_tokens < 1 or a.max_seq_len < 2:
+        p.error("--max-new-tokens must be >= 1 and --max-seq-len >= 2")
     if a.temperature < 0:
         p.error(f"--temperature must be >= 0, got {a.temperature}")
     if not 0 < a.top_p <= 1:
