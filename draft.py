@@ -79,19 +79,7 @@ class DraftArgs:
 
     @staticmethod
     def from_config(path_or_dict) -> "DraftArgs":
-        if isinstance(path_or_dict, dict):
-            return _draft_args_from_dict(path_or_dict, "drafter config")
-        where = str(path_or_dict)
-        if os.path.isdir(where):
-            where = os.path.join(where, "config.json")
-        if not os.path.exists(where):
-            raise FileNotFoundError(f"{where}: config.json not found")
-        try:
-            with open(where) as f:
-                cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e})") from None
-        return _draft_args_from_dict(cfg, where)
+        return _draft_args_from_dict(*M.read_config(path_or_dict, "drafter config"))
 
 
 def _draft_args_from_dict(cfg: dict, where: str) -> DraftArgs:

@@ -172,20 +172,23 @@ class ModelArgs:
     @staticmethod
     def from_config(path_or_dict) -> "ModelArgs":
         """Read a flat kimi_k2/deepseek_v3 config or a nested kimi_k25 (K2.5/K2.6) config."""
-        if isinstance(path_or_dict, dict):
-            cfg, where = path_or_dict, "config"
-        else:
-            where = str(path_or_dict)
-            if os.path.isdir(where):
-                where = os.path.join(where, "config.json")
-            if not os.path.exists(where):
-                raise FileNotFoundError(f"{where}: config.json not found")
-            try:
-                with open(where) as f:
-                    cfg = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from None
-        return _args_from_dict(cfg, where)
+        return _args_from_dict(*read_config(path_or_dict, "config"))
+
+
+def read_config(path_or_dict, name: str) -> tuple[dict, str]:
+    """A config dict, or a checkpoint dir / config.json path -> (dict, where) for error messages."""
+    if isinstance(path_or_dict, dict):
+        return path_or_dict, name
+    where = str(path_or_dict)
+    if os.path.isdir(where):
+        where = os.path.join(where, "config.json")
+    if not os.path.exists(where):
+        raise FileNotFoundError(f"{where}: config.json not found")
+    try:
+        with open(where) as f:
+            return json.load(f), where
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from None
 
 
 _TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
