@@ -75,13 +75,6 @@ def ref_drafter(W: dict, cfg: dict, block_embeds, ctx_feats_all):
 # Fixtures
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: intra-op threads only add overhead (badly so on a shared, loaded CPU)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -31,13 +31,6 @@ KIMI_QCFG = {
     "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
     "kv_cache_scheme": None}
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Every tensor here is small: one intra-op thread is as fast and does not spin on a busy 2-core CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 EXPERT_MODULE = re.compile(r"(.*\.)?layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")

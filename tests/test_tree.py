@@ -19,13 +19,6 @@ from tree import (Tree, build_tree, build_tree_batched, build_tree_ref, chain_tr
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # thousands of tiny ops: intra-op threads only add overhead (and thrash on a busy 2-core box)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 FIELDS = ["tokens", "parents", "depths", "scores", "valid", "ancestor_mask"]

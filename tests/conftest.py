@@ -1,0 +1,13 @@
+"""Shared test setup. The tests run thousands of tiny ops: intra-op threads only add overhead (and thrash
+on a busy 2-core CI machine), so every test runs torch on one thread, in float32 by default."""
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
+    yield
+    torch.set_num_threads(n)

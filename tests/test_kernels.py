@@ -1,0 +1,306 @@
+"""
+Tests for kernels.py: the INT4 bit order, each *_ref against a naive float64 computation, and each Triton kernel
+against its *_ref twin.
+
+    python -m pytest -q tests/test_kernels.py
+
+On a CUDA machine the kernel tests run directly (fp32, fp16, bf16). On a CPU machine they run under the Triton
+interpreter in a subprocess (test_kernels_under_triton_interpreter): TRITON_INTERPRET=1 has to be set before triton
+is imported, and in this process pytest (or another test module) may have imported it already.
+"""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import kernels  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if torch.cuda.is_available() and kernels.HAS_TRITON and not INTERPRET:
+    KERNEL_DEVICE = "cuda"
+elif INTERPRET and kernels.HAS_TRITON:
+    KERNEL_DEVICE = "cpu"
+else:
+    KERNEL_DEVICE = None
+needs_kernels = pytest.mark.skipif(KERNEL_DEVICE is None, reason="run by test_kernels_under_triton_interpreter")
+KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if KERNEL_DEVICE == "cuda" else [])
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}  # max abs error / max abs value
+
+if INTERPRET and kernels.HAS_TRITON:
+    # triton 3.6's interpreter turns a loop bound into a Python int with int(1-element array), which numpy >= 2.4
+    # rejects (https://github.com/triton-lang/triton/issues/9171). Apply the upstream fix: squeeze first.
+    import triton.runtime.interpreter as _interp
+    _patch_lang_tensor = _interp._patch_lang_tensor
+
+    def _patch_lang_tensor_fixed(tensor, scope):
+        _patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    _interp._patch_lang_tensor = _patch_lang_tensor_fixed
+
+
+def assert_close(actual, expected, tol, what=""):
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert not actual.isnan().any(), f"{what}: {int(actual.isnan().sum())} NaN elements (unwritten output?)"
+    err = (actual - expected).abs()
+    scale = expected.abs().max().clamp_min(1e-12)
+    assert err.max() <= tol * scale, \
+        f"{what}: max err {err.max():.3e}, mean {err.mean():.3e}, max |ref| {scale:.3e}, tol {tol}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# INT4 format
+
+def unpack_bytewise(packed: torch.Tensor) -> torch.Tensor:
+    # independent unpacker: view each little-endian int32 word as 4 bytes; byte b holds column 2b (low nibble) and
+    # column 2b+1 (high nibble), so the columns of word k come out in order 8k .. 8k+7
+    b = packed.contiguous().numpy().view(np.uint8).astype(np.int64)  # [..., I/8 * 4]
+    u = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    return torch.from_numpy(u - 8)
+
+
+def test_pack_unpack_roundtrip_every_value_at_every_position():
+    o, j = torch.arange(16)[:, None], torch.arange(64)[None, :]
+    q = ((o + j) % 16 - 8).to(torch.int8)                    # every value in [-8, 7] at every nibble position
+    packed = kernels.pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (16, 8)
+    assert (packed < 0).any(), "a top nibble >= 8 must make the int32 word negative"
+    assert torch.equal(kernels.unpack_int4(packed), q)
+    q3 = torch.stack([q, q.flip(0)])                         # leading (expert) dims pass through
+    assert torch.equal(kernels.unpack_int4(kernels.pack_int4(q3)), q3)
+
+
+def test_nibble_order_bit_by_bit():
+    q = torch.randint(-8, 8, (5, 48), dtype=torch.int8)
+    packed = kernels.pack_int4(q)
+    for o in range(q.shape[0]):
+        for k in range(q.shape[1] // 8):
+            word = 0
+            for i in range(8):                               # column 8k+i -> bits 4i..4i+3, value + 8
+                word |= (int(q[o, 8 * k + i]) + 8) << (4 * i)
+            assert int(packed[o, k]) & 0xFFFFFFFF == word, f"word ({o}, {k})"
+    assert torch.equal(unpack_bytewise(packed), q.long())
+
+
+def _ct_pack_to_int32():
+    try:  # compressed-tensors 0.20
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    except ImportError:
+        try:  # older releases
+            from compressed_tensors.compressors.quantized_compressors.pack_quantized import pack_to_int32
+        except ImportError:
+            pytest.skip("compressed_tensors (pack_to_int32) not importable")
+    return pack_to_int32
+
+
+def test_pack_matches_compressed_tensors():
+    pack_to_int32 = _ct_pack_to_int32()
+    q = torch.randint(-8, 8, (7, 96), dtype=torch.int8)
+    q[0, :16] = torch.arange(-8, 8, dtype=torch.int8)
+    assert torch.equal(kernels.pack_int4(q), pack_to_int32(q, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequant_ref(dtype):
+    q = torch.randint(-8, 8, (3, 6, 64), dtype=torch.int8)
+    scale = torch.rand(3, 6, 2).to(dtype)
+    w = kernels.dequant_int4_ref(kernels.pack_int4(q), scale)
+    assert w.dtype == dtype and w.shape == (3, 6, 64)
+    expected = (q.double() * scale.double().repeat_interleave(32, dim=-1)).to(dtype)  # one rounding of the exact q*s
+    assert torch.equal(w, expected)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inputs
+
+def make_moe(T, E, K, D, I, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q13 = torch.randint(-8, 8, (E, 2 * I, D), dtype=torch.int8, generator=g)
+    q2 = torch.randint(-8, 8, (E, D, I), dtype=torch.int8, generator=g)
+    s13 = (torch.rand(E, 2 * I, D // 32, generator=g) + 0.5) / (7 * math.sqrt(D))
+    s2 = (torch.rand(E, D, I // 32, generator=g) + 0.5) / (7 * math.sqrt(I))
+    x = torch.randn(T, D, generator=g)
+    scores = torch.rand(T, E, generator=g)
+    scores[:, 0] += 1.0                                      # expert 0 is chosen by every token (duplicates)
+    topk_weights, topk_ids = scores.topk(K, dim=-1)
+    topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True)
+    args = (x.to(dtype), topk_ids, topk_weights.float(), kernels.pack_int4(q13), s13.to(dtype),
+            kernels.pack_int4(q2), s2.to(dtype))
+    return tuple(a.to(device) for a in args)
+
+
+def parents_to_mask(parents):
+    # parents[i] < i, -1 for roots -> [T, T] bool: row i = i and its ancestors
+    T = len(parents)
+    mask = torch.eye(T, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def make_tree_mask(kind, B, T, g):
+    masks = []
+    for _ in range(B):
+        if kind == "chain":
+            masks.append(torch.tril(torch.ones(T, T, dtype=torch.bool)))
+        elif kind == "bushy":
+            parents = [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, T)]
+            masks.append(parents_to_mask(parents))
+        else:  # "holes": random bits, no diagonal, every third row empty: with prefix 0 those rows see nothing
+            mask = torch.rand(T, T, generator=g) < 0.3
+            mask[::3] = False
+            masks.append(mask)
+    return torch.stack(masks)
+
+
+def make_attn(B, T, H, R, P, prefixes, kind, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    S_max = max(prefixes) + T + 3
+    q_lat = torch.randn(B, T, H, R, generator=g)
+    q_pe = torch.randn(B, T, H, P, generator=g)
+    cache = torch.randn(B, S_max, R + P, generator=g)
+    prefix_len = torch.tensor(prefixes, dtype=torch.int64)
+    tree_mask = make_tree_mask(kind, B, T, g)
+    scale = 1.0 / math.sqrt(R + P)
+    args = (q_lat.to(dtype), q_pe.to(dtype), cache.to(dtype), prefix_len, tree_mask)
+    return tuple(a.to(device) for a in args) + (scale,)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Refs vs naive float64
+
+def test_moe_ref_vs_naive():
+    x, ids, w, w13p, s13, w2p, s2 = make_moe(T=5, E=6, K=3, D=64, I=32, dtype=torch.float32)
+    I = 32
+    w13 = unpack_bytewise(w13p).double() * s13.double().repeat_interleave(32, -1)   # [E, 2I, D]
+    w2 = unpack_bytewise(w2p).double() * s2.double().repeat_interleave(32, -1)      # [E, D, I]
+    expected = torch.zeros(5, 64, dtype=torch.float64)
+    for t in range(5):
+        for k in range(3):
+            e = int(ids[t, k])
+            gate, up = w13[e, :I] @ x[t].double(), w13[e, I:] @ x[t].double()
+            expected[t] += float(w[t, k]) * (w2[e] @ (F.silu(gate) * up))
+    out = kernels.fused_moe_w4a16_ref(x, ids, w, w13p, s13, w2p, s2)
+    assert out.dtype == torch.float32
+    assert_close(out, expected, 1e-5, "moe ref")
+
+
+@pytest.mark.parametrize("kind", ["chain", "bushy", "holes"])
+def test_attn_ref_vs_naive(kind):
+    B, T, H, R, P = 2, 6, 2, 16, 8
+    q_lat, q_pe, cache, prefix_len, tree_mask, scale = make_attn(B, T, H, R, P, [0, 7], kind, torch.float32)
+    expected = torch.zeros(B, T, H, R, dtype=torch.float64)
+    c = cache.double()
+    for b in range(B):
+        n = int(prefix_len[b])
+        for t in range(T):
+            slots = list(range(n)) + [n + j for j in range(T) if tree_mask[b, t, j]]
+            if not slots:
+                continue                                     # nothing visible -> zeros
+            for h in range(H):
+                s = scale * (c[b, slots, :R] @ q_lat[b, t, h].double() + c[b, slots, R:] @ q_pe[b, t, h].double())
+                expected[b, t, h] = torch.softmax(s, 0) @ c[b, slots, :R]
+    out = kernels.mla_tree_attention_ref(q_lat, q_pe, cache, prefix_len, tree_mask, scale)
+    assert out.dtype == torch.float32
+    assert_close(out, expected, 1e-5, f"attn ref {kind}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels vs refs (CUDA, or the interpreter in a subprocess)
+
+MOE_CASES = [  # T, E, K, D, I, tiles: "default" or "small" (BLOCK_K = 32: several K tiles, D split across programs)
+    (1, 8, 2, 160, 64, "small"),        # D split 4 ways over 5 tiles: the last split is empty and must store zeros
+    (1, 8, 4, 128, 64, "default"),
+    (9, 16, 4, 128, 64, "default"),
+    (17, 8, 3, 160, 96, "default"),     # D, I not multiples of the tile sizes: masked tails
+    (33, 12, 4, 128, 64, "default"),
+    (80, 2, 2, 64, 32, "small"),        # an expert with more pairs than BLOCK_M: the loop over token blocks
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("T, E, K, D, I, tiles", MOE_CASES)
+def test_fused_moe_kernel(T, E, K, D, I, tiles, dtype, monkeypatch):
+    monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
+    if tiles == "small":
+        small = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2)
+        monkeypatch.setattr(kernels, "MOE_BLOCKS", dict(gate_up=small, down=small))
+    args = make_moe(T, E, K, D, I, dtype, KERNEL_DEVICE, seed=T)
+    out = torch.full((T, D), float("nan"), device=KERNEL_DEVICE)
+    res = kernels.fused_moe_w4a16(*args, out=out)
+    assert res is out
+    assert_close(out, kernels.fused_moe_w4a16_ref(*args), TOL[dtype], f"moe T={T} {dtype}")
+
+
+ATTN_CASES = [  # T, H, prefixes (B = len), mask kind, tiles: "default" or "small" (short splits, several per row)
+    (1, 4, [0, 100], "chain", "default"),
+    (9, 2, [1, 100], "bushy", "small"),
+    (17, 3, [100, 0], "bushy", "default"),
+    (33, 2, [1000, 1], "bushy", "small"),
+    (33, 4, [0, 0], "chain", "small"),
+    (9, 4, [1000, 257], "chain", "default"),
+    (17, 2, [0, 40], "holes", "small"),      # rows with nothing visible -> zeros, like the ref
+    (64, 1, [5, 70], "bushy", "small"),      # tree slot 63 is the sign bit of the mask word
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("T, H, prefixes, kind, tiles", ATTN_CASES)
+def test_mla_tree_attention_kernel(T, H, prefixes, kind, tiles, dtype, monkeypatch):
+    monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
+    if tiles == "small":
+        monkeypatch.setattr(kernels, "ATTN_BLOCKS", dict(BLOCK_Q=16, BLOCK_S=16, num_warps=4, num_stages=2))
+        monkeypatch.setattr(kernels, "ATTN_SPLITS", dict(max_splits=8, min_split_len=32))
+    R, P = 32, 16
+    args = make_attn(len(prefixes), T, H, R, P, prefixes, kind, dtype, KERNEL_DEVICE, seed=T + H)
+    out = torch.full_like(args[0], float("nan"))
+    res = kernels.mla_tree_attention(*args, out=out)
+    assert res is out
+    assert_close(out, kernels.mla_tree_attention_ref(*args), TOL[dtype], f"attn T={T} H={H} {prefixes} {kind} {dtype}")
+
+
+@pytest.mark.skipif(KERNEL_DEVICE is not None or not kernels.HAS_TRITON, reason="kernels run directly here")
+def test_kernels_under_triton_interpreter():
+    tests = [f"{__file__}::test_fused_moe_kernel", f"{__file__}::test_mla_tree_attention_kernel"]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    report = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, report
+    assert "passed" in proc.stdout and "skipped" not in proc.stdout, report
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dispatch
+
+def test_use_triton_switches(monkeypatch):
+    assert not kernels.use_triton("cpu")
+    monkeypatch.setattr(kernels, "FORCE_REF", True)
+    assert not kernels.use_triton("cuda")
+
+
+def test_refs_work_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"     # makes `import triton` raise ImportError
+        "import torch, kernels\n"
+        "assert not kernels.HAS_TRITON and not kernels.use_triton('cuda')\n"
+        "q = torch.randint(-8, 8, (4, 64), dtype=torch.int8)\n"
+        "assert torch.equal(kernels.unpack_int4(kernels.pack_int4(q)), q)\n"
+        "m = torch.ones(1, 2, 2, dtype=torch.bool)\n"
+        "o = kernels.mla_tree_attention_ref(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 5, 32),"
+        " torch.tensor([3]), m, 0.1)\n"
+        "assert o.shape == (1, 2, 1, 16)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
