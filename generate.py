@@ -371,6 +371,9 @@ def _main(args: argparse.Namespace) -> int:
     tok_dir = args.tokenizer or args.ckpt
     tokenizer = Tokenizer.from_dir(tok_dir)
     target = load_target(args.ckpt, device, dtype, progress=not args.quiet)
+    if tokenizer.vocab_size > target.args.vocab_size:
+        raise ValueError(f"tokenizer in {tok_dir} has {tokenizer.vocab_size} ids but the model's vocab_size is "
+                         f"{target.args.vocab_size}")
     drafter = load_draft(args.draft, target, device, dtype) if args.draft and args.budget > 0 else None
     M.print0(f"[loaded {args.ckpt}" + (f" + drafter {args.draft}" if drafter else "") + f" on {device}, "
              f"{dtype}; {_memory_report(device)}]")

@@ -209,3 +209,11 @@ def test_missing_shard_named(tmp_path):
     model = M.Transformer(M.ModelArgs.from_config(tmp_path))
     with pytest.raises(M.CheckpointError, match=victim.name):
         M.load_checkpoint(model, str(tmp_path))
+
+
+def test_debug_reports_first_nonfinite_layer():
+    model = tiny.random_model(tiny.text_config(), seed=8)
+    with torch.no_grad():
+        model.layers[1].self_attn.o_proj.weight[0, 0] = float("nan")
+        with pytest.raises(FloatingPointError, match="layer 1 output"):
+            model(torch.randint(0, 96, (1, 5)), debug=True)
