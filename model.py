@@ -482,7 +482,7 @@ class MLA(nn.Module):
         (decode / verify: memory-bound, reads only the compressed cache)."""
         B, T = q_nope.shape[:2]
         wkv_b = self._wkv_b()
-        q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :self.nope])                  # [B, T, H, R]
+        q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :self.nope]).contiguous()     # [B, T, H, R]
         prefix = start_pos
         if isinstance(start_pos, int):
             prefix = torch.full((B,), start_pos, dtype=torch.long, device=q_nope.device)      # [B]
@@ -490,7 +490,8 @@ class MLA(nn.Module):
         # tiles R and P with power-of-two blocks; it reads only the live slots of the full cache itself
         pow2 = lambda n: n >= 16 and n & (n - 1) == 0
         if kernels.use_triton(q_nope.device) and T <= 64 and pow2(self.kv_lora_rank) and pow2(self.rope):
-            o_lat = kernels.mla_tree_attention(q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)
+            o_lat = kernels.mla_tree_attention(q_lat, q_pe.contiguous(), cache, prefix, tree_mask.contiguous(),
+                                               self.softmax_scale)
         else:
             if isinstance(start_pos, int):
                 cache = cache[:, :start_pos + T]     # eager reference: read only the live part
@@ -683,8 +684,11 @@ class Transformer(nn.Module):
                 raise RuntimeError("call setup_cache(max_batch_size, max_seq_len) before a cached forward")
             if isinstance(start_pos, int) and start_pos + T > self.max_seq_len:
                 raise ValueError(f"cache overflow: start_pos {start_pos} + {T} tokens > max_seq_len {self.max_seq_len}")
-        if absorb is None:   # a tensor start_pos (graph-captured steps) always takes the fixed-shape absorbed path
-            absorb = start_pos is not None and (T <= ABSORB_MAX_T or not isinstance(start_pos, int))
+        if absorb is None:
+            # decode and tree verify (any width) take the absorbed path, so every budget rounds like decoding
+            # does; so does a tensor start_pos (graph-captured steps: fixed shapes). Long prefills go naive.
+            absorb = start_pos is not None and (T <= ABSORB_MAX_T or tree_mask is not None
+                                                or not isinstance(start_pos, int))
         h = self.embed_tokens(tokens)                                                       # [B, T, D]
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_attn_factor, positions, h.dtype)
         taps = []

@@ -1,0 +1,948 @@
+"""
+bench.py: how fast nano-ddtree decodes, and how far one step is from the memory-bandwidth floor.
+
+Decoding one request of a K2-class model is memory-bound: a step has to read at least the weights it uses and
+the KV cache it attends over, and nothing else matters much at batch 1. So next to tokens/s we measure a
+*byte floor* per step: the bytes a step must read divided by the copy bandwidth of this GPU, measured in the
+same run (a large device-to-device copy, bytes read + written / time). For one K2.6 MoE layer those bytes are
+the bf16 attention weights, the INT4 experts that the step's tokens actually route to (the union over the
+tokens: a tree of N nodes touches far more experts than one token, performance.md §6.5), the shared expert,
+the router and the compressed KV cache (576 values per cached token). floor / latency is the memory-bandwidth
+utilisation (MBU) of the step. Real engines run at 5-15% of it at batch 1 (performance.md §0): fixed
+per-layer costs (kernel launches, all-reduces, small-M MoE kernels) dominate, which is what `layers` shows.
+
+Modes:
+  e2e     autoregressive vs DFlash chain vs DDTree over node budgets, on the prompts in bench_prompts.json,
+          greedy and temperature 1: tokens/s, speedup over autoregressive, mean accept length and histogram,
+          time per stage (draft / tree / verify / commit), peak memory, and whether greedy speculative output
+          equals autoregressive output token for token ("lossless").
+  layers  one K2.6-shaped MoE block (and the dense layer-0 block) built directly with random weights at the
+          real dimensions (INT4 experts as random packed words), a KV cache of several lengths, and the step
+          latency for T = 1, 9, 17, 33 new tokens (tree-masked verify for T > 1) against its byte floor; then a
+          projection to the whole 61-layer model at TP8, with every assumption printed.
+  peer    the same layer through transformers' DeepseekV3DecoderLayer (experts dequantized to bf16) at the
+          same T and context, and the AR decode of the e2e model through DeepseekV3ForCausalLM: their time /
+          ours.
+  all     the three in turn.
+
+    python bench.py e2e                                   # bundled tiny model + drafter (CPU ok)
+    python bench.py e2e --budgets 4,16 --temperature 0 --max-new-tokens 64 --out runs/e2e.json
+    python bench.py layers --scale tiny                   # CPU: every dimension shrunk (a smoke test)
+    python bench.py layers --tp 8 --out runs/layers.json  # one H200, per-rank TP8 shapes, real dimensions
+    python bench.py peer --tp 1 --ctx 4096                # one H200 (the peer's bf16 experts: 34 GB)
+    torchrun --nproc-per-node 8 bench.py e2e --ckpt <Kimi-K2.6> --draft <Kimi-K2.6-DFlash> --chat
+
+Caveats, printed where they apply:
+  * the decode loop is eager and its stage timer synchronizes the GPU after every stage (generate.py): tree
+    cost is measured as the eager engine pays it, not as a CUDA-graph engine would (ddtree.md §4.5 item 1);
+  * in bf16 a greedy near-tie can flip when the verify width changes the kernel path, so on the GPU a
+    "lossless: False" is a numerics question before it is a bug (ddtree.md §4.5 item 7); a budget whose tree
+    is wider than model.ABSORB_MAX_T verifies through the naive MLA path (a width cliff, item 8);
+  * random inputs route like uniform routing; real tree siblings route alike, so real unions are smaller.
+
+The last stdout line is one JSON document with everything printed above it; --out FILE.json writes it to a
+file, plus FILE.png (accept length and tokens/s against the budget) when matplotlib is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+import model as M
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPTS_FILE = os.path.join(HERE, "bench_prompts.json")
+print0 = M.print0
+
+
+# ----------------------------------------------------------------------------------------------
+# Environment header, timing, bandwidth
+
+
+def _version(name: str) -> str:
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(argv: list[str], device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "argv": argv, "host": platform.node(), "python": platform.python_version(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": _version("triton"),
+            "transformers": _version("transformers"), "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if cuda else None,
+            "gpu_count": torch.cuda.device_count() if cuda else 0, "driver": _driver() if cuda else None,
+            "cpu_threads": torch.get_num_threads(), "world_size": M.world_size}
+
+
+def print_header(env: dict) -> None:
+    print0(f"# nano-ddtree bench, {env['date']} on {env['host']}")
+    print0(f"# command: {' '.join(env['argv'])}")
+    gpu = f"{env['gpu']} x{env['gpu_count']}, driver {env['driver']}, CUDA {env['cuda']}" if env["gpu"] else \
+        f"no GPU ({env['cpu_threads']} CPU threads)"
+    print0(f"# device: {env['device']}: {gpu}; world size {env['world_size']}")
+    print0(f"# python {env['python']}, torch {env['torch']}, triton {env['triton']}, "
+           f"transformers {env['transformers']}")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn, device: torch.device, graph: bool = False, iters: int = 10, warmup: int = 2) -> float:
+    """Median seconds per call of fn after warm-up. CUDA: triton's do_bench (CUDA events, L2 flushed between
+    calls, so weights come from HBM as in a real step), or do_bench_cudagraph (graph=True: launch overhead
+    removed). CPU: time.perf_counter."""
+    if device.type == "cuda":
+        from triton.testing import do_bench, do_bench_cudagraph
+        ms = do_bench_cudagraph(fn, return_mode="median") if graph else do_bench(fn, return_mode="median")
+        return ms * 1e-3
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Copy bandwidth of this device in bytes/s: (bytes read + bytes written) / time of one big copy."""
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    t = median_time(lambda: dst.copy_(src), device)
+    return 2 * src.numel() * src.element_size() / t
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _f(x, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+# ----------------------------------------------------------------------------------------------
+# e2e: autoregressive vs DFlash chain vs DDTree on the fixed prompt set
+
+
+def load_prompts(path: str, n: int = 0) -> list[dict]:
+    """The prompt set, categories interleaved (code, math, prose, code, ...) so that the first n cover them all."""
+    with open(path) as f:
+        prompts = json.load(f)["prompts"]
+    by_cat: dict[str, list] = {}
+    for p in prompts:
+        by_cat.setdefault(p["category"], []).append(p)
+    rounds = max(map(len, by_cat.values()))
+    ordered = [ps[i] for i in range(rounds) for ps in by_cat.values() if i < len(ps)]
+    return ordered[:n] if n > 0 else ordered
+
+
+def encode_prompts(prompts: list[dict], tok_dir: str, vocab: int, chat: bool) -> tuple[list[list[int]], str]:
+    """Token ids per prompt with the checkpoint's tokenizer; without one (random test models), the UTF-8
+    bytes mod the vocabulary size, so the ids are still fixed and in range."""
+    if os.path.exists(os.path.join(tok_dir, "tiktoken.model")):
+        from tokenizer import Tokenizer
+        tok = Tokenizer.from_dir(tok_dir)
+        if chat:
+            return [tok.apply_chat_template([{"role": "user", "content": p["text"]}]) for p in prompts], \
+                f"{tok_dir} (chat template)"
+        return [tok.encode(p["text"]) for p in prompts], f"{tok_dir} (raw text)"
+    return [[b % vocab for b in p["text"].encode()] for p in prompts], \
+        "no tiktoken.model in the checkpoint: UTF-8 bytes mod vocab"
+
+
+def e2e_modes(budgets: list[int], drafter, chain: bool) -> list[tuple[str, int]]:
+    modes = [("ar", 0)]
+    if drafter is not None:
+        modes += [("chain", 0)] if chain else []
+        modes += [("ddtree", b) for b in budgets]
+    return modes
+
+
+def summarize(stats: list, device: torch.device) -> dict:
+    """Sum the per-prompt Stats of one mode. tokens: decoded tokens (the first comes from prefill, so
+    new_tokens - 1 per prompt, as Stats.tokens_per_s counts); time_s: decode time."""
+    tokens = sum(s.new_tokens - 1 for s in stats)
+    time_s = sum(s.decode_s for s in stats)
+    accept = [a for s in stats for a in s.accept_lens]
+    hist: dict[str, int] = {}
+    for a in sorted(accept):
+        hist[str(a)] = hist.get(str(a), 0) + 1
+    stage_s = {k: sum(s.stage_s[k] for s in stats) for k in stats[0].stage_s}
+    steps = len(accept)
+    return {"tokens": tokens, "time_s": time_s, "tokens_per_s": tokens / time_s if time_s > 0 else 0.0,
+            "prefill_s": sum(s.prefill_s for s in stats), "steps": steps, "accept_sum": sum(accept),
+            "mean_accept": sum(accept) / steps if steps else 0.0, "accept_hist": hist, "stage_s": stage_s,
+            "stage_ms_per_step": {k: 1e3 * v / steps if steps else 0.0 for k, v in stage_s.items()},
+            "peak_rss_bytes": M.peak_rss_bytes(),
+            "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_mode(target, drafter, prompt_ids, mode: str, budget: int, temperature: float, a, device,
+             max_seq_len: int, reference: list | None) -> dict:
+    """Decode every prompt in one mode; reference = the greedy AR outputs (for the lossless column)."""
+    import generate as G
+    kw = dict(drafter=drafter if mode != "ar" else None, budget=budget, chain=mode == "chain",
+              temperature=temperature, max_seq_len=max_seq_len)
+    if a.warmup != 0:      # compile / load this mode's kernels for every shape it will meet, outside the timing
+        longest = max(prompt_ids, key=len)
+        G.generate(target, longest, a.max_new_tokens if a.warmup < 0 else a.warmup, seed=0, **kw)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    stats, outs = [], []
+    for i, ids in enumerate(prompt_ids):
+        st = G.Stats()
+        outs.append(G.generate(target, ids, a.max_new_tokens, seed=i, stats=st, **kw))
+        stats.append(st)
+    r = {"mode": mode, "budget": budget if mode == "ddtree" else None, "temperature": temperature}
+    if mode != "ar":
+        n_nodes = budget + 1 if mode == "ddtree" else drafter.block_size
+        r["verify_tokens"] = n_nodes
+        r["mla_path"] = "absorbed" if n_nodes <= M.ABSORB_MAX_T else "naive (wider than ABSORB_MAX_T)"
+    r.update(summarize(stats, device))
+    r["per_prompt"] = [{"tokens": s.new_tokens - 1, "time_s": s.decode_s, "tokens_per_s": s.tokens_per_s,
+                        "mean_accept": s.mean_accept, "steps": len(s.accept_lens)} for s in stats]
+    if reference is not None and mode != "ar":
+        diffs = [_first_diff(o, ref) for o, ref in zip(outs, reference)]
+        for p, d in zip(r["per_prompt"], diffs):
+            p["lossless"], p["first_diff"] = d is None, d
+        r["lossless"] = all(d is None for d in diffs)
+    else:
+        r["lossless"] = None     # the AR reference itself, or sampling (outputs differ by design)
+    r["outputs"] = outs
+    return r
+
+
+def warm_up(target, drafter, prompt_ids, a, max_seq_len: int) -> None:
+    """One untimed pass over every prompt, AR and (with a drafter) DFlash chain: eager kernels meet each
+    shape of the run for the first time here (first calls of a new shape cost up to ~10 ms per step on the
+    GPU, which would otherwise land in whichever mode runs first)."""
+    import generate as G
+    for ids in prompt_ids:
+        G.generate(target, ids, a.max_new_tokens, max_seq_len=max_seq_len)
+        if drafter is not None:
+            G.generate(target, ids, a.max_new_tokens, drafter=drafter, chain=True, max_seq_len=max_seq_len)
+
+
+def _e2e_paths(a) -> tuple[str, str | None]:
+    import generate as G
+    ckpt = a.ckpt or G.BUNDLED_TARGET
+    draft = a.draft if a.draft is not None else (G.BUNDLED_DRAFT if ckpt == G.BUNDLED_TARGET else None)
+    draft = draft or None                   # --draft '': autoregressive only
+    if not os.path.isdir(ckpt):
+        raise FileNotFoundError(f"target checkpoint {ckpt} not found: build the bundled one with "
+                                f"`python train.py --out checkpoints`, or pass --ckpt (and --draft)")
+    if draft is not None and not os.path.isdir(draft):
+        raise FileNotFoundError(f"drafter checkpoint {draft} not found (pass --draft, or --draft '' for AR only)")
+    return ckpt, draft
+
+
+@torch.no_grad()
+def bench_e2e(a, device, dtype) -> dict:
+    import generate as G
+    ckpt, draft_dir = _e2e_paths(a)
+    target = G.load_target(ckpt, device, dtype, progress=False)
+    drafter = G.load_draft(draft_dir, target, device, dtype) if draft_dir else None
+    prompts = load_prompts(a.prompts, a.n_prompts)
+    prompt_ids, tok_note = encode_prompts(prompts, a.tokenizer or ckpt, target.args.vocab_size, a.chat)
+    widest = max(a.budgets + [drafter.block_size if drafter else 1])
+    max_seq_len = a.max_seq_len or max(map(len, prompt_ids)) + a.max_new_tokens + widest + 8
+    print0(f"\n## e2e: {ckpt}" + (f" + drafter {draft_dir}" if draft_dir else " (no drafter: AR only)")
+           + f" on {device}, {str(dtype).replace('torch.', '')}")
+    print0(f"{len(prompts)} prompts ({', '.join(sorted({p['category'] for p in prompts}))}), tokens: {tok_note}; "
+           f"{a.max_new_tokens} new tokens each; cache {max_seq_len}; warm-up: "
+           + ("none" if a.warmup == 0 else f"every prompt once (AR + chain), then "
+              f"{a.max_new_tokens if a.warmup < 0 else a.warmup} tokens per mode"))
+    modes = e2e_modes(a.budgets, drafter, not a.no_chain)
+    if a.warmup != 0:
+        warm_up(target, drafter, prompt_ids, a, max_seq_len)
+    runs = []
+    for temp in a.temperature:
+        reference = None
+        for mode, budget in modes:
+            r = run_mode(target, drafter, prompt_ids, mode, budget, temp, a, device, max_seq_len, reference)
+            if mode == "ar" and temp == 0:
+                reference = r["outputs"]
+            base = next(x for x in runs + [r] if x["mode"] == "ar" and x["temperature"] == temp)
+            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] > 0 else 0.0
+            runs.append(r)
+    for r in runs:
+        del r["outputs"]
+    print_e2e(runs)
+    return {"target": ckpt, "draft": draft_dir, "dtype": str(dtype).replace("torch.", ""),
+            "tokenizer": tok_note, "max_new_tokens": a.max_new_tokens, "max_seq_len": max_seq_len,
+            "block_size": drafter.block_size if drafter else None,
+            "prompts": [{"id": p.get("id"), "category": p["category"], "prompt_tokens": len(ids)}
+                        for p, ids in zip(prompts, prompt_ids)], "runs": runs}
+
+
+def print_e2e(runs: list[dict]) -> None:
+    rows = []
+    for r in runs:
+        st = r["stage_ms_per_step"]
+        lossless = {None: "ref" if r["mode"] == "ar" and r["temperature"] == 0 else "-", True: "yes", False: "NO"}
+        hist = " ".join(f"{k}:{v}" for k, v in r["accept_hist"].items())
+        cuda = r["cuda_max_allocated_bytes"]
+        rows.append([_f(r["temperature"], "g"), r["mode"], _f(r["budget"], "d"), r["tokens"], _f(r["time_s"], ".2f"),
+                     _f(r["tokens_per_s"]), _f(r["speedup"], ".2f"), _f(r["mean_accept"], ".2f"), r["steps"],
+                     *[_f(st[k], ".2f") for k in ("draft", "tree", "verify", "commit")],
+                     _f(r["peak_rss_bytes"] / 2**30, ".2f"),
+                     _f(None if cuda is None else cuda / 2**30, ".2f"),
+                     lossless[r["lossless"]], hist[:40]])
+    print0(table(["temp", "mode", "budget", "tokens", "time s", "tok/s", "speedup", "accept", "steps", "draft ms",
+                  "tree ms", "verify ms", "commit ms", "RSS GiB", "CUDA GiB", "lossless", "accept histogram"], rows))
+    print0("stage times are per verify step (eager loop, GPU synchronized after every stage); RSS is the process "
+           "peak so far; lossless: greedy output == greedy autoregressive output on every prompt")
+    bad = [r for r in runs if r["lossless"] is False]
+    if bad:
+        print0("lossless NO: in bf16 a near-tie can flip when the verify width changes kernel paths "
+               "(ddtree.md §4.5 item 7); first differing token per prompt: "
+               + "; ".join(f"{r['mode']} {r['budget']}: {[p['first_diff'] for p in r['per_prompt']]}" for r in bad))
+
+
+# ----------------------------------------------------------------------------------------------
+# layers: one K2.6-shaped block with random weights, latency vs byte floor, projection to the model
+
+
+def k26_text_config(scale: str) -> dict:
+    """Kimi K2.6's text config (kimi_k2.md §0, performance.md §6.1); scale 'tiny' shrinks every dimension
+    (and keeps them divisible by TP 8 and the INT4 group of 32)."""
+    cfg = dict(model_type="kimi_k2", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+               moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
+               q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+               n_routed_experts=384, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1,
+               moe_layer_freq=1, n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
+               norm_topk_prob=True, routed_scaling_factor=2.827, rms_norm_eps=1e-5, rope_theta=50000.0,
+               rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+               max_position_embeddings=262144, tie_word_embeddings=False, bos_token_id=163584,
+               eos_token_id=163585, hidden_act="silu", attention_bias=False)
+    if scale == "tiny":
+        cfg.update(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                   num_attention_heads=8, num_key_value_heads=8, q_lora_rank=96, kv_lora_rank=64,
+                   qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16,
+                   num_experts_per_tok=2, bos_token_id=0, eos_token_id=1)
+    return cfg
+
+
+@torch.no_grad()
+def randomize_block_(block: torch.nn.Module, seed: int) -> None:
+    """Random weights: linear weights ~ N(0, 1/in_features), norms 1, correction bias 0, INT4 experts random
+    words (every nibble equally likely) with scales ~0.01. A random router spreads tokens over experts."""
+    dev = next(block.parameters()).device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    for name, p in block.named_parameters():
+        if p.dtype == torch.int32:
+            p.random_(-2**31, 2**31, generator=g)
+        elif name.endswith("_scale"):
+            p.uniform_(0.005, 0.015, generator=g)
+        elif "norm" in name:
+            p.fill_(1.0)
+        elif "e_score_correction_bias" in name:
+            p.zero_()
+        else:
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+
+
+def build_block(cfg: dict, layer_id: int, tp: int, device, dtype, seed: int) -> tuple[M.ModelArgs, M.Block]:
+    """One model.Block of `cfg` with rank 0's per-rank shapes at tensor parallel size tp, built with no
+    process group: set_tp(tp, 0) while the modules are created, then back to world size 1, so the forward
+    skips every all-reduce (model.py gates them on model.world_size at call time)."""
+    args = M.ModelArgs.from_config(M.k26_config(cfg, 32))
+    M.check_tp_divisibility(args, tp)
+    old_tp, old_dtype = (M.world_size, M.rank), torch.get_default_dtype()
+    M.set_tp(tp, 0)
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            block = M.Block(layer_id, args)
+    finally:
+        M.set_tp(*old_tp)
+        torch.set_default_dtype(old_dtype)
+    block.requires_grad_(False)
+    randomize_block_(block, seed)
+    return args, block.eval()
+
+
+def randn(shape: tuple, device, dtype, seed: int) -> torch.Tensor:
+    """Seeded N(0, 1) drawn on the device itself (fast for the GPU-sized tensors here)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=g, device=device, dtype=dtype)
+
+
+def tree_parents(T: int, kind: str, g: torch.Generator) -> list[int]:
+    """Parents of a T-node verify tree: a chain, or a random recursive tree (each node under an earlier one)."""
+    if kind == "chain":
+        return [-1] + list(range(T - 1))
+    return [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, T)]
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    T = len(parents)
+    mask = torch.eye(T, dtype=torch.bool)
+    for i in range(1, T):
+        mask[i] |= mask[parents[i]]
+    return mask                                                                          # [T, T]
+
+
+def step_inputs(args: M.ModelArgs, T: int, ctx: int, tree: str, device, dtype, seed: int) -> dict:
+    """Hidden states, rope and tree mask of T new tokens after ctx cached ones (positions ctx + depth)."""
+    g = torch.Generator().manual_seed(seed * 1000 + T)
+    mask = ancestor_mask(tree_parents(T, tree, g))
+    positions = (ctx + mask.sum(-1) - 1).view(1, T).to(device)                            # [1, T]
+    inv_freq, attn_factor = M.rope_inv_freq(args)
+    cos, sin = M.rope_cos_sin(inv_freq, attn_factor, positions, dtype)
+    x = torch.randn(1, T, args.hidden_size, generator=g).to(device, dtype)               # [1, T, D]
+    return dict(x=x, cos=cos, sin=sin, mask=mask[None].to(device), positions=positions)
+
+
+def routed_ids(block: M.Block, step) -> torch.Tensor | None:
+    """The expert ids the step's tokens route to ([T, k]), caught with a hook on the router."""
+    if not isinstance(block.mlp, M.MoE):
+        return None
+    box = []
+    hook = block.mlp.gate.register_forward_hook(lambda mod, inp, out: box.append(out[1]))
+    try:
+        step()
+    finally:
+        hook.remove()
+    return box[0]
+
+
+def param_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def step_bytes(block: M.Block, ids: torch.Tensor | None, ctx: int, T: int, kv_row_bytes: int) -> dict:
+    """Bytes one step of this block must read (its per-rank weights; the KV cache is read whole by every rank)."""
+    b = {"attention": param_bytes(block.self_attn) + param_bytes(block.input_layernorm)
+         + param_bytes(block.post_attention_layernorm),
+         "kv_cache": (ctx + T) * kv_row_bytes}
+    if ids is None:
+        b["dense_mlp"] = param_bytes(block.mlp)
+    else:
+        ex = block.mlp.experts
+        parts = (ex.w13_packed, ex.w13_scale, ex.w2_packed, ex.w2_scale)       # one expert: [0] of each stack
+        per_expert = sum(t[0].numel() * t.element_size() for t in parts)
+        b.update(router=param_bytes(block.mlp.gate), shared_expert=param_bytes(block.mlp.shared_experts),
+                 routed_experts=int(ids.unique().numel()) * per_expert)
+    b["total"] = sum(b.values())
+    return b
+
+
+def uniform_union(n_experts: int, k: int, T: int) -> float:
+    """Expected distinct experts when T tokens each pick k of n uniformly (performance.md §6.5)."""
+    return n_experts * (1 - (1 - k / n_experts) ** T)
+
+
+def time_step(step, device, graph: bool) -> tuple[float, float | None, str | None]:
+    """(eager s, CUDA-graph s or None, why the graph failed or None)."""
+    eager = median_time(step, device)
+    if device.type != "cuda" or not graph:
+        return eager, None, None
+    try:
+        return eager, median_time(step, device, graph=True), None
+    except Exception as e:                  # a host sync in the step makes capture fail: report, don't stop
+        return eager, None, f"{type(e).__name__}: {str(e)[:120]}"
+
+
+@torch.no_grad()
+def time_block(block: M.Block, args: M.ModelArgs, kind: str, a, device, dtype, bw: float) -> list[dict]:
+    rows = []
+    C = args.kv_lora_rank + args.qk_rope_head_dim
+    for ctx in a.ctx:
+        cache = randn((1, ctx + max(a.T), C), device, dtype, seed=ctx)                   # [1, S, R+P]
+        for T in a.T:
+            s = step_inputs(args, T, ctx, a.tree, device, dtype, a.seed)
+            step = lambda: block(s["x"], s["cos"], s["sin"], cache, ctx, s["mask"], True)
+            ids = routed_ids(block, step)
+            eager, graph, why = time_step(step, device, a.graph)
+            nbytes = step_bytes(block, ids, ctx, T, C * cache.element_size())
+            best = min(t for t in (eager, graph) if t is not None)
+            floor = nbytes["total"] / bw
+            rows.append({"layer": kind, "ctx": ctx, "T": T, "tree": a.tree if T > 1 else None,
+                         "experts": None if ids is None else int(ids.unique().numel()),
+                         "experts_uniform": None if ids is None else
+                         uniform_union(args.n_routed_experts, args.num_experts_per_tok, T),
+                         "eager_us": eager * 1e6, "graph_us": None if graph is None else graph * 1e6,
+                         "graph_error": why, "floor_us": floor * 1e6, "mbu": floor / best, "bytes": nbytes})
+    return rows
+
+
+@torch.no_grad()
+def time_head(cfg: dict, a, device, dtype, bw: float) -> list[dict]:
+    """lm_head of one rank ([vocab/tp, hidden], bf16) for T tokens: its latency and byte floor."""
+    V, D = cfg["vocab_size"] // a.tp, cfg["hidden_size"]
+    W = randn((V, D), device, dtype, a.seed).mul_(D ** -0.5)
+    rows = []
+    for T in a.T:
+        x = torch.randn(T, D, dtype=dtype, device=device)
+        t = median_time(lambda: F.linear(x, W), device)
+        rows.append({"T": T, "us": t * 1e6, "floor_us": W.numel() * W.element_size() / bw * 1e6})
+    return rows
+
+
+def _best_us(r: dict) -> float:
+    return min(t for t in (r["eager_us"], r["graph_us"]) if t is not None)
+
+
+def project(rows: list[dict], head: list[dict], cfg: dict, a) -> tuple[list[dict], list[str]]:
+    """The whole model from one layer: (n_layers - n_dense) x MoE layer + n_dense x dense layer + lm_head
+    + collectives at a fixed cost each. Returns rows per (ctx, T) and the assumptions, as printed."""
+    n_layers, n_dense = cfg["num_hidden_layers"], cfg["first_k_dense_replace"]
+    n_moe, n_coll = n_layers - n_dense, 2 * n_layers + 2
+    comm_us = n_coll * a.allreduce_us if a.tp > 1 else 0.0
+    no_dense = "" if any(r["layer"] == "dense" for r in rows) else "; dense layer not timed (--no-dense): counted as MoE"
+    assumptions = [
+        f"{n_layers} layers: {n_moe} MoE + {n_dense} dense, each timed as the block above at the same ctx and T "
+        f"(best of eager and CUDA graph){no_dense}",
+        f"per-rank shapes at TP{a.tp}: one rank's step time is the model's step time (all ranks work in lockstep)",
+        f"collectives: 2 all-reduces per layer (attention o_proj, MLP/MoE) + the embedding all-reduce + the lm_head "
+        f"all-gather = {n_coll} x {a.allreduce_us:g} us = {n_coll * a.allreduce_us / 1e3:.2f} ms (--allreduce-us; "
+        f"measured_here.md: eager NCCL 26-36 us, in a CUDA graph 20-22 us on 2xH200)"
+        + ("" if a.tp > 1 else "; TP1 has no collectives: counted as 0"),
+        "lm_head: one rank's [vocab/tp, hidden] bf16 matmul, timed; the embedding lookup (T rows) is not counted",
+        "not counted: the drafter forward, tree building, acceptance, KV commit, host round trips",
+        "routing: random hidden states, so expert unions are near the uniform estimate; real siblings route alike"]
+    head_by_T = {h["T"]: h for h in head}
+    dense = {(r["ctx"], r["T"]): r for r in rows if r["layer"] == "dense"}
+    out = []
+    for r in (r for r in rows if r["layer"] == "moe"):
+        d, h = dense.get((r["ctx"], r["T"]), r), head_by_T[r["T"]]
+        layers_us = n_moe * _best_us(r) + n_dense * _best_us(d) + h["us"]
+        floor_us = n_moe * r["floor_us"] + n_dense * d["floor_us"] + h["floor_us"]
+        out.append({"ctx": r["ctx"], "T": r["T"], "step_ms": (layers_us + comm_us) / 1e3,
+                    "layers_ms": layers_us / 1e3, "comm_ms": comm_us / 1e3, "floor_ms": floor_us / 1e3,
+                    "floor_plus_comm_ms": (floor_us + comm_us) / 1e3})
+    for p in out:      # the accept length a T-token verify needs to break even with AR (drafter excluded)
+        ar = next((q for q in out if q["ctx"] == p["ctx"] and q["T"] == 1), None)
+        p["ar_tokens_per_s"] = 1e3 / ar["step_ms"] if ar else None
+        p["breakeven_accept"] = p["step_ms"] / ar["step_ms"] if ar else None
+    return out, assumptions
+
+
+def print_layers(rows: list[dict], head: list[dict], proj: list[dict], assumptions: list[str], bw: float) -> None:
+    print0(table(["layer", "ctx", "T", "experts", "uniform", "eager us", "graph us", "floor us", "MBU", "MB read"],
+                 [[r["layer"], r["ctx"], r["T"], _f(r["experts"], "d"), _f(r["experts_uniform"]), _f(r["eager_us"]),
+                   _f(r["graph_us"]), _f(r["floor_us"]), _f(100 * r["mbu"], ".1f") + "%", _f(r["bytes"]["total"] / 1e6)]
+                  for r in rows]))
+    print0(f"floor = bytes read / {bw / 1e9:.0f} GB/s copy bandwidth measured in this run; bytes = attention "
+           f"weights + distinct routed experts (INT4 + scales, 3 matrices) + shared expert + router + KV "
+           f"(ctx + T) x (kv_lora + rope) x dtype bytes (dense: attention + MLP + KV); MBU = floor / best time")
+    errs = {r["graph_error"] for r in rows if r["graph_error"]}
+    if errs:
+        print0(f"CUDA graph capture failed: {'; '.join(errs)}")
+    print0("lm_head per rank: " + ", ".join(f"T={h['T']}: {h['us']:.1f} us (floor {h['floor_us']:.1f})" for h in head))
+    print0("\nprojection to the whole model, per decode/verify step:")
+    for s in assumptions:
+        print0(f"  * {s}")
+    print0(table(["ctx", "T", "step ms", "layers ms", "comm ms", "floor ms", "floor+comm ms", "AR tok/s",
+                  "break-even accept"],
+                 [[p["ctx"], p["T"], _f(p["step_ms"], ".2f"), _f(p["layers_ms"], ".2f"), _f(p["comm_ms"], ".2f"),
+                   _f(p["floor_ms"], ".3f"), _f(p["floor_plus_comm_ms"], ".2f"),
+                   _f(p["ar_tokens_per_s"]) if p["T"] == 1 else "", _f(p["breakeven_accept"], ".2f")] for p in proj]))
+    print0("break-even accept: the mean accept length a T-token verify step needs to match AR (T=1) tokens/s")
+
+
+def _scale(a, device) -> str:
+    return a.scale if a.scale != "auto" else ("real" if device.type == "cuda" else "tiny")
+
+
+def _free(device) -> None:
+    import gc
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def bench_layers(a, device, dtype) -> dict:
+    scale = _scale(a, device)
+    cfg = k26_text_config(scale)
+    nbytes = a.copy_mb * 2**20 if a.copy_mb else (2 * 2**30 if device.type == "cuda" else 128 * 2**20)
+    bw = copy_bandwidth(device, nbytes)
+    print0(f"\n## layers: K2.6 {scale} shapes, TP{a.tp} per-rank, {str(dtype).replace('torch.', '')} on {device}")
+    print0(f"copy bandwidth: {bw / 1e9:.1f} GB/s (read + written, {nbytes / 2**20:.0f} MiB device-to-device copy)")
+    print0(f"hidden {cfg['hidden_size']}, {cfg['num_attention_heads'] // a.tp} heads/rank, "
+           f"q_lora {cfg['q_lora_rank']}, "
+           f"kv_lora {cfg['kv_lora_rank']}, rope {cfg['qk_rope_head_dim']}, {cfg['n_routed_experts']} experts top-"
+           f"{cfg['num_experts_per_tok']} INT4 g32, expert inter {cfg['moe_intermediate_size'] // a.tp}/rank; "
+           f"T > 1 verifies a {a.tree} tree (positions ctx + depth, ancestor mask)")
+    rows = []
+    for kind, layer_id in [("moe", 1)] + ([("dense", 0)] if a.dense else []):
+        args, block = build_block(cfg, layer_id, a.tp, device, dtype, a.seed)
+        rows += time_block(block, args, kind, a, device, dtype, bw)
+        del block
+        _free(device)
+    head = time_head(cfg, a, device, dtype, bw)
+    proj, assumptions = project(rows, head, cfg, a)
+    print_layers(rows, head, proj, assumptions, bw)
+    if scale == "tiny":
+        print0("(scale tiny: the projection only exercises the arithmetic; run --scale real on a GPU for numbers)")
+    return {"scale": scale, "tp": a.tp, "dtype": str(dtype).replace("torch.", ""), "tree": a.tree,
+            "copy_bandwidth_Bps": bw, "copy_bytes": nbytes, "allreduce_us": a.allreduce_us, "rows": rows,
+            "lm_head": head, "projection": proj, "assumptions": assumptions}
+
+
+# ----------------------------------------------------------------------------------------------
+# peer: the same layer (and the e2e model) through transformers' DeepseekV3
+
+
+def hf_config(text_cfg: dict, tp: int, experts_impl: str):
+    """transformers' DeepseekV3Config for rank 0's shapes at TP tp (the peer runs the per-rank problem)."""
+    from transformers import DeepseekV3Config
+    c = {k: v for k, v in text_cfg.items() if k not in ("model_type", "quantization_config", "architectures")}
+    heads = c["num_attention_heads"] // tp
+    c.update(num_attention_heads=heads, num_key_value_heads=heads,
+             moe_intermediate_size=c["moe_intermediate_size"] // tp, intermediate_size=c["intermediate_size"] // tp)
+    hc = DeepseekV3Config(**c)
+    hc._attn_implementation = "sdpa"
+    hc._experts_implementation = experts_impl
+    return hc
+
+
+@torch.no_grad()
+def copy_block_to_hf(block: M.Block, layer) -> None:
+    """Our block's weights into a DeepseekV3DecoderLayer: same names, except the routed experts, which are
+    dequantized expert by expert into transformers' fused gate_up_proj [E, 2I, D] and down_proj [E, D, I]."""
+    sd = {k: v for k, v in block.state_dict().items() if ".experts." not in k}
+    missing, unexpected = layer.load_state_dict(sd, strict=False)
+    assert not unexpected and all(".experts." in k for k in missing), (missing, unexpected)
+    if not isinstance(block.mlp, M.MoE):
+        return
+    ex, hx = block.mlp.experts, layer.mlp.experts
+    for e in range(hx.gate_up_proj.shape[0]):
+        if ex.quant:
+            gs = ex.quant.group_size
+            hx.gate_up_proj[e].copy_(kernels.dequant_int4_ref(ex.w13_packed[e], ex.w13_scale[e], gs))
+            hx.down_proj[e].copy_(kernels.dequant_int4_ref(ex.w2_packed[e], ex.w2_scale[e], gs))
+        else:
+            hx.gate_up_proj[e].copy_(ex.w13[e])
+            hx.down_proj[e].copy_(ex.w2[e])
+
+
+def hf_layer(block: M.Block, hc, layer_id: int, device, dtype):
+    """A DeepseekV3DecoderLayer holding `block`'s weights, allocated without initialization (meta, then empty)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            layer = DeepseekV3DecoderLayer(hc, layer_id)
+    finally:
+        torch.set_default_dtype(old)
+    layer = layer.to_empty(device=device).eval().requires_grad_(False)
+    layer.self_attn.layer_idx = 0         # its cache below holds this one layer
+    copy_block_to_hf(block, layer)
+    return layer
+
+
+def hf_cache(cache: torch.Tensor, ctx: int, R: int):
+    """transformers' DynamicCache prefilled with the same ctx latents. It stores kv_a_layernorm(c_kv) and
+    the roped k_pe, as ours does, but k_pe in the de-interleaved (evens then odds) order of its rope."""
+    from transformers import DynamicCache
+    kv, pe = cache[:, :ctx, :R], cache[:, :ctx, R:]
+    pe = torch.cat([pe[..., 0::2], pe[..., 1::2]], dim=-1)
+    hc = DynamicCache()
+    hc.update(kv[:, None].contiguous(), pe[:, None].contiguous(), 0)        # [1, 1, ctx, R], [1, 1, ctx, P]
+    return hc
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
+
+
+@torch.no_grad()
+def peer_rows(block, args, hlayer, hc, kind: str, a, device, dtype) -> list[dict]:
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+    rotary = DeepseekV3RotaryEmbedding(hc).to(device)
+    R, C = args.kv_lora_rank, args.kv_lora_rank + args.qk_rope_head_dim
+    rows = []
+    for ctx in a.ctx:
+        cache = randn((1, ctx + max(a.T), C), device, dtype, seed=ctx)                   # [1, S, R+P]
+        past = hf_cache(cache, ctx, R)
+        for T in a.T:
+            s = step_inputs(args, T, ctx, a.tree, device, dtype, a.seed)
+            mask4 = torch.cat([torch.ones(1, 1, T, ctx, dtype=torch.bool, device=device), s["mask"][:, None]], -1)
+            pos_emb = rotary(s["x"], s["positions"])
+
+            def theirs():
+                y = hlayer(s["x"], attention_mask=mask4, position_ids=s["positions"], past_key_values=past,
+                           position_embeddings=pos_emb)
+                past.crop(-T)           # back to ctx cached tokens: every call is the same step
+                return y
+            ours = lambda: block(s["x"], s["cos"], s["sin"], cache, ctx, s["mask"], True)
+            err = rel_err(ours(), theirs())
+            t_ours, t_graph, _ = time_step(ours, device, a.graph)
+            t_peer = median_time(theirs, device)
+            rows.append({"layer": kind, "ctx": ctx, "T": T, "ours_us": t_ours * 1e6,
+                         "ours_graph_us": None if t_graph is None else t_graph * 1e6, "peer_us": t_peer * 1e6,
+                         "speedup": t_peer / t_ours, "speedup_graph": None if t_graph is None else t_peer / t_graph,
+                         "rel_err": err})
+        del past
+    return rows
+
+
+@torch.no_grad()
+def peer_e2e(a, device, dtype) -> dict:
+    """Greedy AR decode of the e2e target: ours (generate.py) vs DeepseekV3ForCausalLM.generate, same weights
+    (experts dequantized), same prompt; wall time of the whole call (prefill included) for both."""
+    import generate as G
+    from transformers import DeepseekV3ForCausalLM
+    ckpt, _ = _e2e_paths(a)
+    target = G.load_target(ckpt, device, dtype, progress=False)
+    if param_bytes(target) > 2 * 2**30:
+        gib = param_bytes(target) / 2**30
+        return {"skipped": f"{ckpt}: {gib:.1f} GiB of weights; the peer e2e is for small models"}
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    hc = hf_config(cfg.get("text_config", cfg), 1, a.peer_experts)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        hf = DeepseekV3ForCausalLM(hc).to(device).eval()
+    finally:
+        torch.set_default_dtype(old)
+    for ours_layer, their_layer in zip(target.layers, hf.model.layers):
+        copy_block_to_hf(ours_layer, their_layer)
+    for dst, src in ((hf.model.embed_tokens, target.embed_tokens), (hf.model.norm, target.norm),
+                     (hf.lm_head, target.lm_head)):
+        dst.weight.copy_(src.weight)
+    prompts = load_prompts(a.prompts, 1)
+    ids = encode_prompts(prompts, a.tokenizer or ckpt, target.args.vocab_size, a.chat)[0][0]
+    n = a.max_new_tokens
+    inp = torch.tensor([ids], device=device)
+    kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(inp))
+    ours = lambda k: G.generate(target, ids, k, max_seq_len=len(ids) + n + 8)
+    theirs = lambda k: hf.generate(inp, max_new_tokens=k, min_new_tokens=k, **kw)[0, len(ids):].tolist()
+    ours(4), theirs(4)                 # warm-up
+    times, outs = {}, {}
+    for name, fn in (("ours", ours), ("peer", theirs)):
+        sync(device)
+        t0 = time.perf_counter()
+        outs[name] = fn(n)
+        sync(device)
+        times[name] = time.perf_counter() - t0
+    return {"target": ckpt, "new_tokens": n, "ours_s": times["ours"], "peer_s": times["peer"],
+            "ours_tokens_per_s": n / times["ours"], "peer_tokens_per_s": n / times["peer"],
+            "speedup": times["peer"] / times["ours"], "same_tokens": outs["ours"] == outs["peer"]}
+
+
+@torch.no_grad()
+def bench_peer(a, device, dtype) -> dict:
+    scale = _scale(a, device)
+    cfg = k26_text_config(scale)
+    print0(f"\n## peer: transformers DeepseekV3 vs ours, K2.6 {scale} shapes, TP{a.tp} per-rank, "
+           f"{str(dtype).replace('torch.', '')} on {device}")
+    print0(f"transformers: sdpa attention over its DynamicCache (compressed latents, decompressed every step), "
+           f"experts '{a.peer_experts}' on {str(dtype).replace('torch.', '')} weights dequantized from our INT4; ours: "
+           f"absorbed MLA over the static cache, INT4 MoE ({'triton' if kernels.use_triton(device) else 'reference'})")
+    rows = []
+    for kind, layer_id in [("moe", 1)] + ([("dense", 0)] if a.dense else []):
+        args, block = build_block(cfg, layer_id, a.tp, device, dtype, a.seed)
+        hc = hf_config(cfg, a.tp, a.peer_experts)
+        hlayer = hf_layer(block, hc, layer_id, device, dtype)
+        rows += peer_rows(block, args, hlayer, hc, kind, a, device, dtype)
+        del block, hlayer
+        _free(device)
+    print0(table(["layer", "ctx", "T", "ours us", "ours graph us", "peer us", "speedup", "speedup (graph)", "rel err"],
+                 [[r["layer"], r["ctx"], r["T"], _f(r["ours_us"]), _f(r["ours_graph_us"]), _f(r["peer_us"]),
+                   _f(r["speedup"], ".2f"), _f(r["speedup_graph"], ".2f"), _f(r["rel_err"], ".1e")] for r in rows]))
+    print0("speedup = peer time / our time (eager vs eager; '(graph)': ours in a CUDA graph); rel err: max |ours - "
+           "peer| / max |peer| of the layer output (INT4 kernel vs bf16 dequantized matmul)")
+    out = {"scale": scale, "tp": a.tp, "dtype": str(dtype).replace("torch.", ""), "experts_impl": a.peer_experts,
+           "rows": rows}
+    try:
+        out["e2e"] = peer_e2e(a, device, dtype)
+    except FileNotFoundError as e:
+        out["e2e"] = {"skipped": str(e)}
+    e = out["e2e"]
+    if "skipped" in e:
+        print0(f"peer e2e skipped: {e['skipped']}")
+    else:
+        print0(f"peer e2e, greedy AR, {e['new_tokens']} tokens of {e['target']}: ours {e['ours_tokens_per_s']:.1f} "
+               f"tok/s, transformers {e['peer_tokens_per_s']:.1f} tok/s (wall, prefill included): speedup "
+               f"{e['speedup']:.2f}x; same tokens: {e['same_tokens']}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Output: JSON and the plot
+
+
+def plot(result: dict, path: str) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print0("matplotlib not installed: skipping the plot (pip install matplotlib)")
+        return None
+    runs = result.get("e2e", {}).get("runs")
+    if not runs:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for temp in sorted({r["temperature"] for r in runs}):
+        dd = [r for r in runs if r["mode"] == "ddtree" and r["temperature"] == temp]
+        for ax, key in zip(axes, ("mean_accept", "tokens_per_s")):
+            line = ax.plot([r["budget"] for r in dd], [r[key] for r in dd], marker="o", label=f"DDTree, T={temp:g}")
+            for r in runs:
+                if r["mode"] in ("ar", "chain") and r["temperature"] == temp:
+                    ax.axhline(r[key], color=line[0].get_color(), ls=":" if r["mode"] == "ar" else "--",
+                               label=f"{'autoregressive' if r['mode'] == 'ar' else 'DFlash chain'}, T={temp:g}")
+    for ax, label in zip(axes, ("mean accept length (tokens per verify step)", "tokens/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("DDTree node budget")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{result['e2e']['target']} ({result['env']['gpu'] or 'CPU'})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_out(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    png = plot(result, os.path.splitext(path)[0] + ".png")
+    print0(f"\nwrote {path}" + (f" and {png}" if png else ""))
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args(argv)
+    device = M.init_distributed()
+    if a.device:
+        device = torch.device(a.device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    kernels.FORCE_REF = a.no_triton
+    torch.manual_seed(a.seed)
+    env = environment(sys.argv if argv is None else ["bench.py", *argv], device)
+    print_header(env)
+    result = {"bench": "nano-ddtree", "mode": a.mode, "env": env,
+              "args": {k: v for k, v in vars(a).items()}}
+    modes = ["e2e", "layers", "peer"] if a.mode == "all" else [a.mode]
+    for mode in modes:
+        if mode != "e2e" and M.world_size > 1:
+            result[mode] = {"skipped": "single-process mode: run it without torchrun"}
+            print0(f"\n## {mode}: skipped under torchrun (single-process mode)")
+            continue
+        fn = {"e2e": bench_e2e, "layers": bench_layers, "peer": bench_peer}[mode]
+        try:
+            result[mode] = fn(a, device, dtype)
+        except FileNotFoundError as e:
+            if a.mode != "all":
+                raise
+            result[mode] = {"skipped": str(e)}
+            print0(f"\n## {mode}: skipped: {e}")
+    if a.out and M.rank == 0:
+        write_out(result, a.out)
+    print0(json.dumps(result))
+    return result
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("mode", choices=["e2e", "layers", "peer", "all"])
+    e = p.add_argument_group("e2e (and the peer's e2e)")
+    e.add_argument("--ckpt", default=None, help="target checkpoint dir (default: the bundled checkpoints/tiny-k2)")
+    e.add_argument("--draft", default=None, help="DFlash drafter dir (default: the bundled one with the bundled "
+                                                 "target; '' for AR only)")
+    e.add_argument("--tokenizer", default=None, help="dir with tiktoken.model (default: --ckpt)")
+    e.add_argument("--prompts", default=PROMPTS_FILE, help="prompt set (JSON: {prompts: [{category, text}]})")
+    e.add_argument("--n-prompts", type=int, default=0, help="use the first N prompts (0: all)")
+    e.add_argument("--budgets", type=_ints, default=[1, 2, 4, 8, 16, 32, 64], help="DDTree node budgets")
+    e.add_argument("--temperature", type=_floats, default=[0.0, 1.0], help="comma-separated, e.g. 0 or 0,1")
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--max-seq-len", type=int, default=0, help="KV cache length (0: longest prompt + new + tree)")
+    e.add_argument("--warmup", type=int, default=-1, help="warm-up tokens per mode, on the longest prompt, "
+                                                         "before timing (-1: --max-new-tokens; 0: none)")
+    e.add_argument("--chat", action="store_true", help="apply the chat template (real K2.6) instead of raw text")
+    e.add_argument("--no-chain", action="store_true", help="skip the DFlash chain baseline")
+    l = p.add_argument_group("layers / peer")
+    l.add_argument("--scale", choices=["auto", "real", "tiny"], default="auto", help="auto: real on CUDA, tiny on CPU")
+    l.add_argument("--tp", type=int, default=8, help="per-rank shapes of this tensor-parallel size (rank 0)")
+    l.add_argument("--ctx", type=_ints, default=None, help="cached tokens (default real 512,4096,32768; tiny 128,1024)")
+    l.add_argument("--T", type=_ints, default=[1, 9, 17, 33], help="new tokens per step (T > 1: tree verify)")
+    l.add_argument("--tree", choices=["random", "chain"], default="random", help="tree shape for T > 1")
+    l.add_argument("--no-dense", dest="dense", action="store_false", help="skip the dense layer-0 block")
+    l.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph timings")
+    l.add_argument("--allreduce-us", type=float, default=25.0, help="cost of one collective in the projection")
+    l.add_argument("--copy-mb", type=int, default=0, help="size of the bandwidth copy (0: 2048 on CUDA, 128 on CPU)")
+    l.add_argument("--peer-experts", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"],
+                   help="transformers' experts implementation (grouped_mm is its default for models)")
+    c = p.add_argument_group("common")
+    c.add_argument("--device", default=None)
+    c.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--no-triton", action="store_true", help="force the PyTorch reference kernels")
+    c.add_argument("--out", default=None, help="write the JSON here (and a PNG plot next to it)")
+    a = p.parse_args(argv)
+    if a.ctx is None:
+        a.ctx = [128, 1024] if a.scale == "tiny" or (a.scale == "auto" and not torch.cuda.is_available()) \
+            else [512, 4096, 32768]
+    if min(a.T) < 1 or max(a.T) > 64:
+        p.error(f"--T values must lie in [1, 64] (the tree kernel's mask word), got {a.T}")
+    if a.tp < 1:
+        p.error(f"--tp must be >= 1, got {a.tp}")
+    if any(b < 1 for b in a.budgets):
+        p.error(f"--budgets must be >= 1, got {a.budgets}")
+    return a
+
+
+if __name__ == "__main__":
+    main()

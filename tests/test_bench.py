@@ -1,0 +1,166 @@
+"""bench.py at tiny sizes on CPU: every mode runs, and its JSON report is self-consistent (tokens/s = tokens /
+time, the accept histogram counts every step, speedups are ratios of the reported rates, floors are positive,
+greedy speculative output == autoregressive output).
+Run: python -m pytest -q tests/test_bench.py"""
+import json
+import math
+
+import pytest
+import torch
+
+import bench
+import draft as Dr
+import model as M
+import tiny
+
+torch.set_default_dtype(torch.float32)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: intra-op threads only add overhead (badly so on a shared, loaded CPU)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A random tiny K2.6-layout target and a random tiny DFlash drafter for it."""
+    d = tmp_path_factory.mktemp("bench")
+    tiny.write_k26(d / "target", tiny.text_config(), seed=5)
+    cfg = Dr.tiny_draft_config(M.ModelArgs.from_config(str(d / "target")))
+    drafter = Dr.DFlashDrafter(Dr.DraftArgs.from_config(cfg))
+    tiny.randomize_(drafter, 1, std=0.2)
+    Dr.write_drafter(str(d / "draft"), drafter, cfg)
+    return d
+
+
+def close(a, b, rel=1e-9):
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+
+
+def last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_e2e(pair, capsys):
+    out = pair / "e2e.json"
+    res = bench.main(["e2e", "--ckpt", str(pair / "target"), "--draft", str(pair / "draft"), "--budgets", "1,4",
+                      "--n-prompts", "2", "--max-new-tokens", "12", "--warmup", "2", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert json.loads(printed.strip().splitlines()[-1]) == json.loads(json.dumps(res))     # last line: the JSON
+    assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+    assert "matplotlib not installed: skipping the plot" in printed or (pair / "e2e.png").exists()
+    env = res["env"]
+    assert env["torch"] == torch.__version__ and env["argv"][:2] == ["bench.py", "e2e"] and env["date"]
+    e2e = res["e2e"]
+    assert len(e2e["prompts"]) == 2 and {p["category"] for p in e2e["prompts"]} <= {"code", "math", "prose"}
+    runs = e2e["runs"]
+    assert [(r["temperature"], r["mode"], r["budget"]) for r in runs] == [
+        (t, m, b) for t in (0.0, 1.0) for m, b in (("ar", None), ("chain", None), ("ddtree", 1), ("ddtree", 4))]
+    for r in runs:
+        ar = next(x for x in runs if x["mode"] == "ar" and x["temperature"] == r["temperature"])
+        assert r["tokens"] == 2 * (12 - 1)                       # no stop ids: every prompt runs to the limit
+        assert close(r["tokens_per_s"], r["tokens"] / r["time_s"]) and r["tokens_per_s"] > 0
+        assert close(r["speedup"], r["tokens_per_s"] / ar["tokens_per_s"])
+        assert sum(r["accept_hist"].values()) == r["steps"] > 0
+        assert sum(int(k) * v for k, v in r["accept_hist"].items()) == r["accept_sum"]
+        assert close(r["mean_accept"], r["accept_sum"] / r["steps"])
+        assert r["accept_sum"] >= r["tokens"]                    # the last step may commit past the limit
+        assert sum(p["steps"] for p in r["per_prompt"]) == r["steps"]
+        assert set(r["stage_ms_per_step"]) == {"draft", "tree", "verify", "commit"}
+        assert close(sum(r["stage_ms_per_step"].values()), 1e3 * sum(r["stage_s"].values()) / r["steps"])
+        assert r["peak_rss_bytes"] > 0 and r["cuda_max_allocated_bytes"] is None
+        if r["mode"] == "ar":
+            assert r["accept_hist"] == {"1": r["steps"]} and r["lossless"] is None
+        elif r["temperature"] == 0:
+            assert r["lossless"] is True and all(p["lossless"] for p in r["per_prompt"])
+        else:
+            assert r["lossless"] is None                         # sampled: outputs differ by design
+        if r["mode"] == "ddtree":
+            assert r["verify_tokens"] == r["budget"] + 1 and max(map(int, r["accept_hist"])) <= r["budget"] + 1
+
+
+def test_layers(capsys):
+    res = bench.main(["layers", "--scale", "tiny", "--tp", "8", "--ctx", "32,64", "--T", "1,9", "--copy-mb", "8",
+                      "--allreduce-us", "20"])
+    assert last_json(capsys) == json.loads(json.dumps(res))
+    lay = res["layers"]
+    assert lay["copy_bandwidth_Bps"] > 0 and lay["scale"] == "tiny" and lay["tp"] == 8
+    cfg = bench.k26_text_config("tiny")
+    rows = lay["rows"]
+    assert {(r["layer"], r["ctx"], r["T"]) for r in rows} == {(k, c, t) for k in ("moe", "dense") for c in (32, 64)
+                                                             for t in (1, 9)}
+    for r in rows:
+        b = r["bytes"]
+        assert r["floor_us"] > 0 and r["eager_us"] > 0 and b["total"] == sum(v for k, v in b.items() if k != "total")
+        assert close(r["floor_us"], b["total"] / lay["copy_bandwidth_Bps"] * 1e6)
+        assert close(r["mbu"], r["floor_us"] / r["eager_us"])   # CPU: no CUDA-graph time
+        assert b["kv_cache"] == (r["ctx"] + r["T"]) * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+        if r["layer"] == "moe":
+            k, E = cfg["num_experts_per_tok"], cfg["n_routed_experts"]
+            assert (r["experts"] == k) if r["T"] == 1 else (k <= r["experts"] <= min(E, k * r["T"]))
+            per_expert = b["routed_experts"] // r["experts"]
+            inter = cfg["moe_intermediate_size"] // 8
+            D = cfg["hidden_size"]      # INT4 words + fp32 scales (fp32 run) of gate/up and down, one rank
+            w13, w2 = 2 * inter * D, D * inter                   # int4 values per matrix pair / matrix
+            assert per_expert == (w13 + w2) // 8 * 4 + (w13 + w2) // 32 * 4
+    moe = {(r["ctx"], r["T"]): r for r in rows if r["layer"] == "moe"}
+    dense = {(r["ctx"], r["T"]): r for r in rows if r["layer"] == "dense"}
+    head = {h["T"]: h for h in lay["lm_head"]}
+    for p in lay["projection"]:
+        m, d, h = moe[p["ctx"], p["T"]], dense[p["ctx"], p["T"]], head[p["T"]]
+        assert close(p["comm_ms"], (2 * 61 + 2) * 20 / 1e3)
+        assert close(p["layers_ms"], (60 * m["eager_us"] + d["eager_us"] + h["us"]) / 1e3)
+        assert close(p["step_ms"], p["layers_ms"] + p["comm_ms"])
+        assert close(p["floor_ms"], (60 * m["floor_us"] + d["floor_us"] + h["floor_us"]) / 1e3)
+        ar = next(q for q in lay["projection"] if q["ctx"] == p["ctx"] and q["T"] == 1)
+        assert close(p["breakeven_accept"], p["step_ms"] / ar["step_ms"])
+        assert close(p["ar_tokens_per_s"], 1e3 / ar["step_ms"])
+    assert any("124 x 20 us" in s for s in lay["assumptions"])
+
+
+def test_layers_tp1_shapes_hold_all_heads():
+    """Per-rank shapes: at TP1 the attention weights are larger than rank 0's slice at TP8 (only q_a and
+    kv_a are replicated), and the forward never calls a collective (no process group exists here)."""
+    cfg = bench.k26_text_config("tiny")
+    sizes = {}
+    for tp in (1, 8):
+        args, block = bench.build_block(cfg, 1, tp, "cpu", torch.float32, seed=0)
+        assert M.world_size == 1 and block.self_attn.n_heads == cfg["num_attention_heads"] // tp
+        assert block.mlp.experts.inter == cfg["moe_intermediate_size"] // tp
+        s = bench.step_inputs(args, 5, 16, "random", "cpu", torch.float32, seed=0)
+        cache = torch.randn(1, 24, args.kv_lora_rank + args.qk_rope_head_dim)
+        with torch.no_grad():
+            y = block(s["x"], s["cos"], s["sin"], cache, 16, s["mask"], True)
+        assert y.shape == (1, 5, cfg["hidden_size"]) and torch.isfinite(y).all()
+        sizes[tp] = bench.param_bytes(block.self_attn)
+    assert sizes[1] > sizes[8]
+
+
+def test_peer(pair, capsys):
+    res = bench.main(["peer", "--scale", "tiny", "--tp", "2", "--ctx", "32", "--T", "1,9",
+                      "--ckpt", str(pair / "target"), "--max-new-tokens", "8", "--peer-experts", "eager"])
+    assert last_json(capsys) == json.loads(json.dumps(res))
+    peer = res["peer"]
+    assert {(r["layer"], r["T"]) for r in peer["rows"]} == {(k, t) for k in ("moe", "dense") for t in (1, 9)}
+    for r in peer["rows"]:
+        assert r["ours_us"] > 0 and r["peer_us"] > 0 and close(r["speedup"], r["peer_us"] / r["ours_us"])
+        assert r["rel_err"] < 1e-4, r             # same weights, fp32: the two implementations agree
+    e = peer["e2e"]
+    assert e["same_tokens"] is True and close(e["speedup"], e["peer_s"] / e["ours_s"])
+    assert close(e["ours_tokens_per_s"], e["new_tokens"] / e["ours_s"])
+
+
+def test_missing_bundled_checkpoint_is_a_clear_error(tmp_path):
+    a = bench.parse_args(["e2e", "--ckpt", str(tmp_path / "nope")])
+    with pytest.raises(FileNotFoundError, match="train.py"):
+        bench._e2e_paths(a)
+
+
+def test_prompt_set():
+    prompts = bench.load_prompts(bench.PROMPTS_FILE)
+    assert len(prompts) >= 10 and {p["category"] for p in prompts} == {"code", "math", "prose"}
+    assert len({p["id"] for p in prompts}) == len(prompts) and all(p["text"].strip() for p in prompts)
