@@ -362,16 +362,17 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     @torch.no_grad()
-    def append_context(self, ctx_feats: torch.Tensor, ctx_len: int) -> None:
-        """Write context rows' K/V without drafting (the prompt, before fixed-shape steps take over)."""
+    def append_context(self, ctx_feats: torch.Tensor, ctx_len: int, row: int = 0) -> None:
+        """Write context rows' K/V without drafting (the prompt, before fixed-shape steps take over) into
+        cache rows row .. row+B-1."""
         f = self.hidden_norm(self.fc(ctx_feats.to(self.fc.weight.dtype)))                # [B, n, D]
         B, n, _ = f.shape
         pos = ctx_len + torch.arange(n, device=f.device).expand(B, n)                     # [B, n]
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_amp, pos, f.dtype)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(f, cos, sin)
-            self.ctx_cache[i, 0, :B, ctx_len:ctx_len + n] = k
-            self.ctx_cache[i, 1, :B, ctx_len:ctx_len + n] = v
+            self.ctx_cache[i, 0, row:row + B, ctx_len:ctx_len + n] = k
+            self.ctx_cache[i, 1, row:row + B, ctx_len:ctx_len + n] = v
 
     @torch.no_grad()
     def draft_logits(self, target: M.Transformer, last_token: torch.Tensor, ctx_feats: torch.Tensor,

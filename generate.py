@@ -97,9 +97,8 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
         model.setup_cache(1, max_seq_len)
     speculative = drafter is not None and (budget > 0 or chain)
     taps = tuple(drafter.target_layer_ids) if speculative else ()
-    # the drafter cache holds the context plus one padded block of rows (fixed-shape steps write them)
-    if speculative and (drafter.ctx_cache is None or drafter.ctx_cache.shape[3] < max_seq_len + drafter.block_size):
-        drafter.setup_cache(1, max_seq_len + drafter.block_size)
+    if speculative:
+        _ensure_draft_cache(drafter, 1, max_seq_len)
     gen = torch.Generator(device=dev).manual_seed(seed)
     stop = set(int(s) for s in stop_ids)
     pick = lambda logits: V.sample(logits, temperature, top_k, top_p, gen)
@@ -143,7 +142,7 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
         if start + runner.N > max_seq_len:         # the next step would write past the cache
             stats.stopped = f"cache full (--max-seq-len {max_seq_len})"
             break
-        new = runner()                             # one host read per step: the committed tokens
+        new = runner()[0]                          # one host read per step: the committed tokens
         start += len(new)
         stats.accept_lens.append(len(new))
         stats.stage_s["verify"] += clock.lap()
@@ -199,6 +198,14 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
     return out
 
 
+def _ensure_draft_cache(drafter, batch: int, max_seq_len: int) -> None:
+    """The drafter cache holds the context plus one padded block of rows (fixed-shape steps write them);
+    reallocated only when too small, so captured graphs keep pointing at live buffers."""
+    c = getattr(drafter, "ctx_cache", None)
+    if c is None or c.shape[2] < batch or c.shape[3] < max_seq_len + drafter.block_size:
+        drafter.setup_cache(batch, max_seq_len + drafter.block_size)
+
+
 def check_ranks_agree(tokens: list[int]) -> None:
     """--debug under TP: every rank must have committed the same tokens this step."""
     if M.world_size == 1:
@@ -211,24 +218,27 @@ def check_ranks_agree(tokens: list[int]) -> None:
 
 
 class StaticStep:
-    """One decoding step (draft, build tree, verify, accept, commit; or one autoregressive token) on static
-    buffers updated in place: fixed shapes, no host synchronisation inside, so the same step can be replayed
-    as a CUDA graph. Every input of the step (bonus token, cache lengths, drafter context rows) lives in a
-    buffer the step itself rewrites; nothing is passed in as a fresh tensor (the classic graph bug: a
-    captured graph keeps reading the tensor it was captured with)."""
+    """One decoding step for a batch of sequences (draft, build tree, verify, accept, commit; or one
+    autoregressive token) on static buffers updated in place: fixed shapes, no host synchronisation inside,
+    so the same step can be replayed as a CUDA graph. Every input of the step (bonus tokens, cache lengths,
+    drafter context rows, which rows are still active) lives in a buffer the step itself rewrites; nothing
+    is passed in as a fresh tensor (the classic graph bug: a captured graph keeps reading the tensor it was
+    captured with). Row b uses cache row b. A finished row is masked, not removed (fixed shapes): its
+    lengths stop advancing, so its committed slots [0, start) are never read or written again; its step
+    writes land past them and are discarded."""
 
     _cache: dict = {}
 
     @classmethod
-    def get(cls, model, drafter, budget, chain, temperature, top_k, top_p, graph=False, compile=False):
+    def get(cls, model, drafter, budget, chain, temperature, top_k, top_p, graph=False, compile=False, batch=1):
         """One runner (and one captured graph) per shape and sampling setting, reused across calls."""
         caches = (model.kv_cache.data_ptr(), drafter.ctx_cache.data_ptr() if drafter else 0)   # captured buffers
-        key = (id(model), id(drafter), caches, budget, chain, temperature, top_k, top_p, graph, compile)
+        key = (id(model), id(drafter), caches, budget, chain, temperature, top_k, top_p, graph, compile, batch)
         if key not in cls._cache:
-            cls._cache[key] = cls(model, drafter, budget, chain, temperature, top_k, top_p, graph, compile)
+            cls._cache[key] = cls(model, drafter, budget, chain, temperature, top_k, top_p, graph, compile, batch)
         return cls._cache[key]
 
-    def __init__(self, model, drafter, budget, chain, temperature, top_k, top_p, graph, compile):
+    def __init__(self, model, drafter, budget, chain, temperature, top_k, top_p, graph, compile, batch=1):
         self.model, self.drafter, self.budget, self.chain = model, drafter, budget, chain
         self.sampling = (temperature, top_k, top_p)
         dev = model.embed_tokens.weight.device
@@ -236,19 +246,30 @@ class StaticStep:
         self.N = (bs if chain else budget + 1) if drafter else 1     # verify width: tokens per target forward
         self.taps = tuple(drafter.target_layer_ids) if drafter else ()
         z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
-        self.bonus, self.start, self.ctx_len, self.n_ctx = z(1), z(1), z(1), z(1)
+        B = batch
+        self.bonus, self.start, self.ctx_len, self.n_ctx = z(B), z(B), z(B), z(B)
+        self.active = torch.ones(B, dtype=torch.long, device=dev)                     # 1: still decoding
         width = len(self.taps) * model.args.hidden_size
-        self.ctx_feats = torch.zeros(1, bs, width, dtype=model.embed_tokens.weight.dtype, device=dev)
-        self.out = z(self.N + 1)                   # [accept_len, committed tokens...]: one host copy
+        self.ctx_feats = torch.zeros(B, bs, width, dtype=model.embed_tokens.weight.dtype, device=dev)
+        self.out = z(B, self.N + 1)                # per row [accept_len, committed tokens...]: one host copy
         fn = self._spec_step if drafter else self._ar_step
         self.fn = torch.compile(fn) if compile else fn
         self.use_graph, self.graph = graph, None
 
-    def load(self, bonus: torch.Tensor, start: int, ctx_len: int) -> None:
-        self.bonus.copy_(bonus.view(1))
-        self.start.fill_(start)
-        self.ctx_len.fill_(ctx_len)
+    def load(self, bonus: torch.Tensor, start, ctx_len) -> None:
+        self.bonus.copy_(bonus.view(-1))
+        self.start.copy_(torch.as_tensor(start).view(-1))
+        self.ctx_len.copy_(torch.as_tensor(ctx_len).view(-1))
         self.n_ctx.zero_()
+        self.active.fill_(1)
+
+    def _advance(self, accept_len, bonus, out_tokens) -> None:
+        """Committed this step: accept_len tokens per row; finished rows keep their state."""
+        live = self.active.bool()
+        self.out[:, 0] = accept_len * self.active
+        self.out[:, 1:] = out_tokens
+        self.start += accept_len * self.active
+        self.bonus.copy_(torch.where(live, bonus, self.bonus))
 
     def _spec_step(self) -> None:
         m, d, temperature, top_k, top_p = self.model, self.drafter, *self.sampling
@@ -263,51 +284,112 @@ class StaticStep:
         logits, hidden = m(ids, start_pos=self.start, positions=positions, tree_mask=mask, hidden_layers=self.taps)
         # 4. accept
         accepted, accept_len, bonus = V.accept(tr, V.sample(logits, temperature, top_k, top_p))
-        # 5. commit: KV always copied (fixed shapes); the path's hidden states become the next context rows
-        V.commit_kv(m.kv_cache, self.start, accepted, accept_len)
+        # 5. commit: KV always copied (fixed shapes; finished rows move nothing); the path's hidden states
+        #    become the next context rows
+        V.commit_kv(m.kv_cache, self.start, accepted, accept_len * self.active)
         k = min(self.N, d.block_size)
         self.ctx_feats[:, :k] = hidden.gather(1, accepted[:, :k, None].expand(-1, -1, hidden.shape[-1]))
-        self.n_ctx.copy_(accept_len)
+        self.n_ctx.copy_(accept_len * self.active)
         # committed tokens: the path's drafted tokens (nodes 1..len-1), then the bonus
-        path_tokens = torch.cat([tr.tokens.gather(1, accepted)[:, 1:], bonus[:, None]], dim=1)   # [1, N]
-        j = torch.arange(self.N, device=bonus.device)
-        self.out[1:] = torch.where(j == accept_len - 1, bonus, path_tokens[0])
-        self.out[0] = accept_len[0]
-        self.start += accept_len
-        self.bonus.copy_(bonus)
+        path_tokens = torch.cat([tr.tokens.gather(1, accepted)[:, 1:], bonus[:, None]], dim=1)   # [B, N]
+        j = torch.arange(self.N, device=bonus.device).view(1, -1)
+        self._advance(accept_len, bonus, torch.where(j == (accept_len - 1)[:, None], bonus[:, None], path_tokens))
 
     def _ar_step(self) -> None:
-        logits = self.model(self.bonus.view(1, 1), start_pos=self.start)
+        logits = self.model(self.bonus.view(-1, 1), start_pos=self.start)
         tok = V.sample(logits[:, -1], *self.sampling)
-        self.out[1] = tok[0]
-        self.out[0] = 1
-        self.start += 1
-        self.bonus.copy_(tok)
+        self._advance(torch.ones_like(tok), tok, tok[:, None])
 
     def _capture(self) -> None:
         """Warm up on a side stream (kernels compiled, allocator settled), restore the step's inputs, capture."""
-        saved = [t.clone() for t in (self.bonus, self.start, self.ctx_len, self.n_ctx, self.ctx_feats)]
+        state = (self.bonus, self.start, self.ctx_len, self.n_ctx, self.ctx_feats, self.active)
+        saved = [t.clone() for t in state]
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
                 self.fn()
         torch.cuda.current_stream().wait_stream(s)
-        for t, v in zip((self.bonus, self.start, self.ctx_len, self.n_ctx, self.ctx_feats), saved):
+        for t, v in zip(state, saved):
             t.copy_(v)      # warm-up steps wrote only slots past the committed prefix: harmless
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.fn()
 
-    def __call__(self) -> list[int]:
+    def __call__(self) -> list[list[int]]:
+        """Run one step; returns each row's committed tokens (empty for finished rows)."""
         if self.use_graph:
             if self.graph is None:
                 self._capture()
             self.graph.replay()
         else:
             self.fn()
-        out = self.out.tolist()                    # the step's one device-to-host copy
-        return out[1:1 + out[0]]
+        rows = self.out.tolist()                   # the step's one device-to-host copy
+        return [r[1:1 + r[0]] for r in rows]
+
+
+@torch.no_grad()
+def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_tokens: int, drafter=None,
+                   budget: int = 8, chain: bool = False, temperature: float = 0.0, top_k: int = 0,
+                   top_p: float = 1.0, stop_ids=(), seed: int = 0, max_seq_len: int | None = None,
+                   mode: str = "static", stats: Stats | None = None) -> list[list[int]]:
+    """Decode several prompts at once: per-sequence cache lengths, trees (same budget: the verify input is
+    [batch, B+1]), acceptance and commit; sequences finish independently (stop token, length, cache end)."""
+    stats = stats if stats is not None else Stats()
+    B, dev, vocab = len(prompts), model.embed_tokens.weight.device, model.args.vocab_size
+    for i, p in enumerate(prompts):
+        if not p or min(p) < 0 or max(p) >= vocab:
+            raise ValueError(f"prompt {i}: needs >= 1 token, ids in [0, {vocab})")
+    max_seq_len = max_seq_len or max(map(len, prompts)) + max_new_tokens + 80
+    if max(map(len, prompts)) >= max_seq_len:
+        raise ValueError(f"a prompt does not fit the cache (--max-seq-len {max_seq_len})")
+    if model.kv_cache is None or model.kv_cache.shape[1] < B or model.max_seq_len < max_seq_len:
+        model.setup_cache(B, max_seq_len)
+    speculative = drafter is not None and (budget > 0 or chain)
+    taps = tuple(drafter.target_layer_ids) if speculative else ()
+    if speculative:
+        _ensure_draft_cache(drafter, B, max_seq_len)
+    torch.manual_seed(seed)
+    clock = _Clock(dev)
+    # 0. prefill each prompt into its own cache row (prompts differ in length: no padding needed)
+    bonus = torch.zeros(B, dtype=torch.long, device=dev)
+    for b, p in enumerate(prompts):
+        res = model(torch.tensor([p], device=dev), start_pos=0, hidden_layers=taps, last_only=True, cache_row=b)
+        logits = res[0] if taps else res
+        bonus[b] = V.sample(logits[:, -1], temperature, top_k, top_p)[0]
+        if speculative:
+            drafter.append_context(res[1], 0, row=b)
+    stats.prefill_s = clock.lap()
+    t_decode = clock.t
+    runner = StaticStep.get(model, drafter if speculative else None, budget, chain, temperature, top_k, top_p,
+                            graph=mode == "graph", compile=mode == "compile", batch=B)
+    lens = [len(p) for p in prompts]
+    runner.load(bonus, lens, lens)
+    outs = [[t] for t in bonus.tolist()]
+    stop = set(int(s) for s in stop_ids)
+    done = [t[0] in stop or max_new_tokens <= 1 for t in outs]
+    start = list(lens)
+    while not all(done):
+        for b in range(B):   # a row whose next step would not fit in the cache stops here
+            if not done[b] and start[b] + runner.N > max_seq_len:
+                done[b] = True
+        runner.active.copy_(torch.tensor([0 if d else 1 for d in done], device=dev))
+        if all(done):
+            break
+        for b, new in enumerate(runner()):
+            if done[b]:
+                continue
+            start[b] += len(new)
+            stats.accept_lens.append(len(new))
+            for t in new:
+                outs[b].append(t)
+                if t in stop or len(outs[b]) >= max_new_tokens:
+                    done[b] = True
+                    break
+    stats.new_tokens = sum(map(len, outs))
+    clock.lap()
+    stats.decode_s = clock.t - t_decode
+    return outs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -398,7 +480,9 @@ def _main(args: argparse.Namespace) -> int:
         _print_stats(stats, drafter is not None)
         return ids
 
-    if args.prompt_ids:
+    if args.prompts:
+        run_batch(args, tokenizer, target, drafter, kw)
+    elif args.prompt_ids:
         run([int(t) for t in args.prompt_ids.split(",")])
     elif args.prompt is not None or not sys.stdin.isatty():
         text = args.prompt if args.prompt is not None else sys.stdin.read()
@@ -411,6 +495,26 @@ def _main(args: argparse.Namespace) -> int:
     else:
         interactive(tokenizer, run, args.thinking)
     return 0
+
+
+def run_batch(args, tokenizer, target, drafter, kw) -> None:
+    """--prompts FILE: one prompt per line, decoded together as one batch."""
+    with open(args.prompts) as f:
+        texts = [line.rstrip("\n") for line in f if line.strip()]
+    if not texts:
+        raise ValueError(f"{args.prompts}: no prompts (one per line)")
+    enc = (lambda t: tokenizer.encode(t)) if args.raw else (
+        lambda t: tokenizer.apply_chat_template([{"role": "user", "content": t}], thinking=args.thinking))
+    kw = {k: v for k, v in kw.items() if k not in ("debug",)}
+    if kw["mode"] == "eager":
+        kw["mode"] = "static"      # batching runs the fixed-shape step (per-row lengths live on the device)
+    stats = Stats()
+    outs = generate_batch(target, [enc(t) for t in texts], args.max_new_tokens,
+                          stop_ids=tokenizer.stop_ids if not args.raw else (), stats=stats, **kw)
+    for t, o in zip(texts, outs):
+        M.print0(f"--- {t!r}\n{tokenizer.decode([x for x in o if x not in tokenizer.stop_ids])}")
+    M.print0(f"[{len(texts)} prompts, {stats.new_tokens} tokens in {stats.decode_s:.2f} s: "
+             f"{stats.new_tokens / max(stats.decode_s, 1e-9):.1f} tok/s in total; mean accept {stats.mean_accept:.2f}]")
 
 
 class StreamPrinter:
@@ -476,6 +580,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", default=None, help="user message (chat template applied unless --raw)")
     p.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text as is")
     p.add_argument("--prompt-ids", default=None, help="comma-separated token ids (no tokenizer involved)")
+    p.add_argument("--prompts", default=None, help="file with one prompt per line: decoded together as a batch")
     p.add_argument("--thinking", action="store_true", help="K2.6 thinking mode (<think>) instead of instant")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (prompt + generated)")

@@ -667,7 +667,7 @@ class Transformer(nn.Module):
         return 0 if self.kv_cache is None else self.kv_cache.shape[2]
 
     def forward(self, tokens: torch.Tensor, start_pos=None, positions=None, tree_mask=None,
-                hidden_layers=(), absorb=None, last_only: bool = False, debug: bool = False):
+                hidden_layers=(), absorb=None, last_only: bool = False, debug: bool = False, cache_row: int = 0):
         """tokens [B, T] -> logits [B, T, vocab] fp32 (or [B, 1, vocab] with last_only).
 
         start_pos None: no cache; causal attention over `tokens` (or `tree_mask`).
@@ -675,6 +675,7 @@ class Transformer(nn.Module):
           slot before start_pos and, among themselves, what tree_mask [B, T, T] allows (default causal).
         positions [B, T]: rope positions (default start_pos + arange(T); tree verify passes start + depth).
         hidden_layers: return also the outputs of these layers, concatenated: [B, T, len * hidden_size].
+        cache_row: the batch uses cache rows cache_row .. cache_row+B-1 (prefilling one sequence of a batch).
         """
         B, T = tokens.shape
         if positions is None:
@@ -693,7 +694,7 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_attn_factor, positions, h.dtype)
         taps = []
         for i, layer in enumerate(self.layers):
-            cache = None if start_pos is None else self.kv_cache[i]
+            cache = None if start_pos is None else self.kv_cache[i, cache_row:]
             h = layer(h, cos, sin, cache, start_pos, tree_mask, absorb)
             if debug:
                 check_finite(h, f"layer {i} output")

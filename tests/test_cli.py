@@ -86,3 +86,11 @@ def test_cache_end_stops_cleanly(ckpt, capsys):
     code, out, _ = run(capsys, "--ckpt", str(ckpt), "--draft", str(ckpt / "draft"), "--prompt-ids", "1,2,3",
                        "--max-new-tokens", "100", "--max-seq-len", "30", "--quiet")
     assert code == 0 and "cache full (--max-seq-len 30)" in out
+
+
+def test_prompts_file_batch(ckpt, tmp_path, capsys):
+    f = tmp_path / "prompts.txt"
+    f.write_text("def f(x):\nclass A:\n\nimport os\n")
+    code, out, err = run(capsys, "--ckpt", str(ckpt), "--draft", str(ckpt / "draft"), "--prompts", str(f), "--raw",
+                         "--max-new-tokens", "6", "--quiet")
+    assert code == 0 and out.count("--- ") == 3 and "3 prompts" in out, err
