@@ -221,7 +221,7 @@ def run_mode(target, drafter, prompt_ids, mode: str, budget: int, temperature: f
     """Decode every prompt in one mode; reference = the greedy AR outputs (for the lossless column)."""
     import generate as G
     kw = dict(drafter=drafter if mode != "ar" else None, budget=budget, chain=mode == "chain",
-              temperature=temperature, max_seq_len=max_seq_len)
+              temperature=temperature, max_seq_len=max_seq_len, mode=a.step_mode)
     if a.warmup != 0:      # compile / load this mode's kernels for every shape it will meet, outside the timing
         longest = max(prompt_ids, key=len)
         G.generate(target, longest, a.max_new_tokens if a.warmup < 0 else a.warmup, seed=0, **kw)
@@ -236,7 +236,7 @@ def run_mode(target, drafter, prompt_ids, mode: str, budget: int, temperature: f
     if mode != "ar":
         n_nodes = budget + 1 if mode == "ddtree" else drafter.block_size
         r["verify_tokens"] = n_nodes
-        r["mla_path"] = "absorbed" if n_nodes <= M.ABSORB_MAX_T else "naive (wider than ABSORB_MAX_T)"
+        r["mla_path"] = "absorbed, Triton" if n_nodes <= 64 else "absorbed, reference attention (> 64 rows)"
     r.update(summarize(stats, device))
     r["per_prompt"] = [{"tokens": s.new_tokens - 1, "time_s": s.decode_s, "tokens_per_s": s.tokens_per_s,
                         "mean_accept": s.mean_accept, "steps": len(s.accept_lens)} for s in stats]
@@ -898,6 +898,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("mode", choices=["e2e", "layers", "peer", "all"])
+    p.add_argument("--step-mode", choices=["eager", "static", "graph"], default="eager",
+                   help="e2e decode loop: the eager reference, the fixed-shape step, or that step as a CUDA graph")
     e = p.add_argument_group("e2e (and the peer's e2e)")
     e.add_argument("--ckpt", default=None, help="target checkpoint dir (default: the bundled checkpoints/tiny-k2)")
     e.add_argument("--draft", default=None, help="DFlash drafter dir (default: the bundled one with the bundled "
