@@ -176,7 +176,7 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
             stats.stage_s["commit"] += clock.lap()
             stats.accept_lens.append(n)
             if show_tree:
-                show_tree(tr, path.tolist())
+                show_tree(tr[0], path.tolist())
         elif start + 1 <= max_seq_len:
             # autoregressive step (also the fallback when a tree no longer fits in the cache)
             logits = model(bonus.view(1, 1), start_pos=start, debug=debug)

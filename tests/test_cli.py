@@ -94,3 +94,51 @@ def test_prompts_file_batch(ckpt, tmp_path, capsys):
     code, out, err = run(capsys, "--ckpt", str(ckpt), "--draft", str(ckpt / "draft"), "--prompts", str(f), "--raw",
                          "--max-new-tokens", "6", "--quiet")
     assert code == 0 and out.count("--- ") == 3 and "3 prompts" in out, err
+
+
+def test_show_tree(ckpt, capsys):
+    code, out, _ = run(capsys, "--ckpt", str(ckpt), "--draft", str(ckpt / "draft"), "--prompt-ids", "1,2,3",
+                       "--budget", "4", "--max-new-tokens", "4", "--show-tree", "--quiet")
+    assert code == 0 and "*" in out           # each step's tree with the accepted path marked
+
+
+def test_interactive_session(monkeypatch, capsys):
+    """Multi-turn: history kept, /reset clears it, Ctrl-C abandons only the current answer, /exit ends."""
+    lines = iter(["hello", "again", "/reset", "boom", "after", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    seen = []
+
+    class Tok:
+        stop_ids = {0}
+
+        def apply_chat_template(self, history, thinking=False):
+            seen.append([m["content"] for m in history])
+            return [1]
+
+        def decode(self, ids):
+            return "ok"
+
+    def run(ids):
+        if seen[-1][-1] == "boom":
+            raise KeyboardInterrupt
+        return [5, 0]
+    G.interactive(Tok(), run, thinking=False)
+    assert seen == [["hello"], ["hello", "ok", "again"], ["boom"], ["after"]]
+    assert "[interrupted]" in capsys.readouterr().out
+
+
+def test_interactive_eof_ends(monkeypatch):
+    def eof(prompt=""):
+        raise EOFError
+    monkeypatch.setattr("builtins.input", eof)
+    G.interactive(None, None, thinking=False)       # returns cleanly
+
+
+def test_truncated_shard(ckpt, tmp_path, capsys):
+    import shutil
+    bad = tmp_path / "ck"
+    shutil.copytree(ckpt, bad)
+    shard = sorted(bad.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    code, _, err = run(capsys, "--ckpt", str(bad), "--prompt-ids", "1", "--quiet")
+    assert code == 2 and shard.name in err and "safetensors" in err

@@ -179,3 +179,24 @@ def test_no_host_sync_in_step_functions():
         src = inspect.getsource(fn)
         for bad in (".item()", ".tolist()", ".cpu()", "int(", ".numpy()"):
             assert bad not in src, (fn.__qualname__, bad)
+
+
+@pytest.mark.parametrize("budget", [1, 4, 8, 16, 32])
+def test_real_drafter_ddtree_equals_autoregressive(target, real_drafter, ar_runs, budget):
+    """The real DFlash drafter (random weights) through the real loop: same tokens as AR, with prompts of
+    several lengths, runs that end at the length limit and at a stop token."""
+    for prompt, ar, _ in ar_runs:
+        assert G.generate(target, prompt, 32, drafter=real_drafter, budget=budget, max_seq_len=128) == ar
+        stop = ar[9]
+        cut = ar[:ar.index(stop) + 1]
+        assert G.generate(target, prompt, 32, drafter=real_drafter, budget=budget, max_seq_len=128,
+                          stop_ids=[stop]) == cut
+
+
+def test_greedy_with_cache_equals_recompute(target):
+    """Greedy decoding with the KV cache == greedy decoding that recomputes the whole sequence each step."""
+    seq = [4, 8, 15, 16, 23, 42]
+    with torch.no_grad():
+        for _ in range(20):
+            seq.append(int(target(torch.tensor([seq]))[0, -1].argmax()))
+    assert G.generate(target, seq[:6], 20, max_seq_len=64) == seq[6:]

@@ -1,0 +1,72 @@
+"""verify.py on a hand-built tree: inputs (ids, positions, mask), the acceptance walk and the KV commit
+against hand-written answers. Run: python -m pytest -q tests/test_verify.py"""
+import torch
+
+import verify as V
+from tree import Tree
+
+
+def five_node_tree() -> Tree:
+    """root r=10 (node 0); children a=11 (1) and b=12 (2); a's child c=13 (3); c's child d=14 (4).
+        10 ─┬─ 11 ── 13 ── 14
+            └─ 12                                                                """
+    parents = torch.tensor([[-1, 0, 0, 1, 3]])
+    depths = torch.tensor([[0, 1, 1, 2, 3]])
+    mask = torch.tensor([[1, 0, 0, 0, 0],
+                         [1, 1, 0, 0, 0],
+                         [1, 0, 1, 0, 0],
+                         [1, 1, 0, 1, 0],
+                         [1, 1, 0, 1, 1]], dtype=torch.bool)[None]
+    return Tree(tokens=torch.tensor([[10, 11, 12, 13, 14]]), parents=parents, depths=depths,
+                scores=torch.zeros(1, 5), valid=torch.ones(1, 5, dtype=torch.bool), ancestor_mask=mask)
+
+
+def test_inputs():
+    tr = five_node_tree()
+    ids, pos, mask = V.verify_inputs(tr, 7)
+    assert ids.tolist() == [[10, 11, 12, 13, 14]]
+    assert pos.tolist() == [[7, 8, 8, 9, 10]]                  # start + depth: siblings share a position
+    assert torch.equal(mask, tr.ancestor_mask)
+
+
+def test_walks():
+    tr = five_node_tree()
+    # target token after each node: root->11 (a matches), a->13 (c matches), c->99 (no child): path 0,1,3
+    cases = [([11, 13, 0, 99, 0], [0, 1, 3], 99),
+             ([12, 0, 5, 0, 0], [0, 2], 5),                    # sibling b accepted, bonus from b
+             ([11, 13, 0, 14, 42], [0, 1, 3, 4], 42),          # the whole spine, bonus after the leaf
+             ([50, 13, 0, 14, 42], [0], 50)]                   # nothing matches: root only, bonus = 50
+    for target, path, bonus in cases:
+        acc, n, b = V.accept(tr, torch.tensor([target]))
+        assert acc[0, :int(n)].tolist() == path and int(b) == bonus
+        assert acc[0, int(n):].tolist() == [path[-1]] * (5 - int(n))     # padding repeats the deepest node
+
+
+def test_padding_nodes_never_accepted():
+    tr = five_node_tree()
+    tr.valid[0, 4] = False
+    acc, n, b = V.accept(tr, torch.tensor([[11, 13, 0, 14, 42]]))
+    assert acc[0, :int(n)].tolist() == [0, 1, 3] and int(b) == 14
+
+
+def test_commit_moves_path_kv():
+    cache = torch.arange(2 * 1 * 16 * 3, dtype=torch.float32).view(2, 1, 16, 3)     # [layers, B, S, C]
+    before = cache.clone()
+    start = 7
+    acc = torch.tensor([[0, 1, 3, 3, 3]])
+    V.commit_kv(cache, start, acc, torch.tensor([3]))
+    assert torch.equal(cache[:, 0, 7], before[:, 0, 7]) and torch.equal(cache[:, 0, 8], before[:, 0, 8])
+    assert torch.equal(cache[:, 0, 9], before[:, 0, 10])                            # node 3 -> slot start+2
+    assert torch.equal(cache[:, 0, :7], before[:, 0, :7])                           # the prefix is untouched
+    assert V.path_is_contiguous([0, 1, 2], 3) and not V.path_is_contiguous([0, 1, 3], 3)
+
+
+def test_sample_top_k_top_p():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(4000, 1)
+    g = torch.Generator().manual_seed(0)
+    s = V.sample(logits, 1.0, top_k=2, generator=g)
+    assert set(s.tolist()) == {2, 3}
+    p = logits.softmax(-1)[0]
+    s = V.sample(logits, 1.0, top_p=float(p[3]) + 1e-3, generator=g)   # keeps the two most likely tokens
+    assert set(s.tolist()) == {2, 3}
+    assert torch.equal(V.sample(logits[:1], 0.0), torch.tensor([3]))
