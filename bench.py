@@ -314,6 +314,40 @@ def bench_e2e(a, device, dtype) -> dict:
                         for p, ids in zip(prompts, prompt_ids)], "runs": runs}
 
 
+@torch.no_grad()
+def bench_batch(a, device, dtype) -> dict:
+    """--batch N,...: N requests decoded together (prompts cycled from the set), AR vs DDTree at the first
+    budget; tokens/s per request and in total. Greedy; per-row outputs must equal single-request decoding."""
+    import generate as G
+    ckpt, draft_dir = _e2e_paths(a)
+    target = G.load_target(ckpt, device, dtype, progress=False)
+    drafter = G.load_draft(draft_dir, target, device, dtype) if draft_dir else None
+    prompts = load_prompts(a.prompts, a.n_prompts)
+    prompt_ids, _ = encode_prompts(prompts, a.tokenizer or ckpt, target.args.vocab_size, a.chat)
+    budget = a.budgets[0]
+    max_seq_len = a.max_seq_len or max(map(len, prompt_ids)) + a.max_new_tokens + budget + 16
+    rows = []
+    for n in a.batch:
+        batch = [prompt_ids[i % len(prompt_ids)] for i in range(n)]
+        for mode in (["ar", "ddtree"] if drafter else ["ar"]):
+            kw = dict(drafter=drafter if mode == "ddtree" else None, budget=budget, max_seq_len=max_seq_len,
+                      mode="graph" if a.step_mode == "graph" else "static")
+            G.generate_batch(target, batch, a.max_new_tokens, **kw)                   # warm-up (and capture)
+            st = G.Stats()
+            outs = G.generate_batch(target, batch, a.max_new_tokens, stats=st, **kw)
+            tokens = sum(len(o) for o in outs)
+            rows.append({"batch": n, "mode": mode, "budget": budget if mode == "ddtree" else None,
+                         "tokens": tokens, "time_s": st.decode_s, "total_tokens_per_s": tokens / st.decode_s,
+                         "per_request_tokens_per_s": tokens / st.decode_s / n, "mean_accept": st.mean_accept})
+    print0(table(["batch", "mode", "budget", "tokens", "time s", "tok/s total", "tok/s per request", "accept"],
+                 [[r["batch"], r["mode"], _f(r["budget"], "d"), r["tokens"], _f(r["time_s"], ".2f"),
+                   _f(r["total_tokens_per_s"]), _f(r["per_request_tokens_per_s"]), _f(r["mean_accept"], ".2f")]
+                  for r in rows]))
+    print0("batched decoding runs the fixed-shape step (finished rows masked); time includes the first token of "
+           "each request after prefill")
+    return {"target": ckpt, "draft": draft_dir, "budget": budget, "rows": rows}
+
+
 def print_e2e(runs: list[dict]) -> None:
     rows = []
     for r in runs:
@@ -873,6 +907,8 @@ def main(argv: list[str] | None = None) -> dict:
             print0(f"\n## {mode}: skipped under torchrun (single-process mode)")
             continue
         fn = {"e2e": bench_e2e, "layers": bench_layers, "peer": bench_peer}[mode]
+        if mode == "e2e" and a.batch:
+            fn = bench_batch
         try:
             result[mode] = fn(a, device, dtype)
         except FileNotFoundError as e:
@@ -898,6 +934,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("mode", choices=["e2e", "layers", "peer", "all"])
+    p.add_argument("--batch", type=_ints, default=[], help="e2e: batch sizes (e.g. 1,4,16,64): batched decoding")
     p.add_argument("--step-mode", choices=["eager", "static", "graph"], default="eager",
                    help="e2e decode loop: the eager reference, the fixed-shape step, or that step as a CUDA graph")
     e = p.add_argument_group("e2e (and the peer's e2e)")

@@ -164,3 +164,18 @@ def test_prompt_set():
     prompts = bench.load_prompts(bench.PROMPTS_FILE)
     assert len(prompts) >= 10 and {p["category"] for p in prompts} == {"code", "math", "prose"}
     assert len({p["id"] for p in prompts}) == len(prompts) and all(p["text"].strip() for p in prompts)
+
+
+def test_e2e_batch_and_static_steps(pair, capsys):
+    res = bench.main(["e2e", "--ckpt", str(pair / "target"), "--draft", str(pair / "draft"), "--budgets", "4",
+                      "--n-prompts", "3", "--max-new-tokens", "8", "--batch", "1,4"])
+    rows = res["e2e"]["rows"]
+    assert [(r["batch"], r["mode"]) for r in rows] == [(1, "ar"), (1, "ddtree"), (4, "ar"), (4, "ddtree")]
+    for r in rows:
+        assert r["tokens"] == 8 * r["batch"]                     # no stop ids: every request runs to the limit
+        assert close(r["total_tokens_per_s"], r["tokens"] / r["time_s"])
+        assert close(r["per_request_tokens_per_s"], r["total_tokens_per_s"] / r["batch"])
+    res = bench.main(["e2e", "--ckpt", str(pair / "target"), "--draft", str(pair / "draft"), "--budgets", "4",
+                      "--n-prompts", "2", "--max-new-tokens", "10", "--temperature", "0", "--step-mode", "static",
+                      "--warmup", "0"])
+    assert all(r["lossless"] for r in res["e2e"]["runs"] if r["mode"] != "ar")
