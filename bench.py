@@ -331,7 +331,7 @@ def bench_batch(a, device, dtype) -> dict:
         batch = [prompt_ids[i % len(prompt_ids)] for i in range(n)]
         for mode in (["ar", "ddtree"] if drafter else ["ar"]):
             kw = dict(drafter=drafter if mode == "ddtree" else None, budget=budget, max_seq_len=max_seq_len,
-                      mode="graph" if a.step_mode == "graph" else "static")
+                      mode=a.step_mode if a.step_mode != "eager" else "static")
             G.generate_batch(target, batch, a.max_new_tokens, **kw)                   # warm-up (and capture)
             st = G.Stats()
             outs = G.generate_batch(target, batch, a.max_new_tokens, stats=st, **kw)
@@ -935,8 +935,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("mode", choices=["e2e", "layers", "peer", "all"])
     p.add_argument("--batch", type=_ints, default=[], help="e2e: batch sizes (e.g. 1,4,16,64): batched decoding")
-    p.add_argument("--step-mode", choices=["eager", "static", "graph"], default="eager",
-                   help="e2e decode loop: the eager reference, the fixed-shape step, or that step as a CUDA graph")
+    p.add_argument("--step-mode", choices=["eager", "static", "graph", "compile"], default="eager",
+                   help="e2e decode loop: the eager reference, the fixed-shape step, that step as a CUDA graph, or compiled")
     e = p.add_argument_group("e2e (and the peer's e2e)")
     e.add_argument("--ckpt", default=None, help="target checkpoint dir (default: the bundled checkpoints/tiny-k2)")
     e.add_argument("--draft", default=None, help="DFlash drafter dir (default: the bundled one with the bundled "
