@@ -25,7 +25,7 @@ import re
 import resource
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist

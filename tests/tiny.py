@@ -1,5 +1,4 @@
 """Tiny K2-architecture configs and checkpoints for tests: same formats as the real Kimi K2.6 files."""
-import os
 
 import torch
 
