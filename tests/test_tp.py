@@ -74,3 +74,39 @@ def test_divisibility_checked_up_front():
         M.check_tp_divisibility(args, 8)
     with pytest.raises(ValueError, match="moe_intermediate_size=32"):
         M.check_tp_divisibility(M.ModelArgs.from_config(M.k26_config(tiny.text_config())), 2)
+
+
+RANK_SCRIPT = """
+import os, sys, time, torch, torch.distributed as dist
+sys.path.insert(0, {root!r})
+import model as M
+M.init_distributed(timeout_s=15)
+if M.rank == 1:
+    os._exit(3)                      # a rank dies without a word
+try:
+    x = torch.ones(4)
+    dist.all_reduce(x)               # the survivor must not hang here
+    dist.all_reduce(x)
+    print("no error")
+except Exception as e:
+    print("error:", type(e).__name__)
+    sys.exit(1)
+"""
+
+
+def test_dead_rank_is_an_error_not_a_hang(tmp_path):
+    import subprocess
+    import sys
+    port = _free_port()
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT.format(root=str(__import__("pathlib").Path(__file__).resolve().parents[1])))
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(r),
+                   LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    out0, _ = procs[0].communicate(timeout=120)     # a hang would fail here
+    procs[1].wait(timeout=30)
+    assert procs[1].returncode == 3
+    assert procs[0].returncode != 0 and "error:" in out0, out0
