@@ -602,8 +602,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.ckpt == BUNDLED_TARGET and a.draft is None:
         a.draft = BUNDLED_DRAFT
-        if a.prompt is None and a.prompt_ids is None and sys.stdin.isatty():
-            a.prompt, a.raw = DEFAULT_PROMPT, True
+        if a.prompt is None and a.prompt_ids is None and a.prompts is None:
+            a.prompt, a.raw = DEFAULT_PROMPT, True     # the bundled model continues code; it is no chat model
     if a.budget < 0 or a.budget > MAX_BUDGET:
         p.error(f"--budget must be in [0, {MAX_BUDGET}], got {a.budget}")
     if a.max_new_tokens < 1 or a.max_seq_len < 2:
