@@ -72,6 +72,16 @@ class _Clock:
         return dt
 
 
+def check_prompt(prompt_ids: list[int], vocab: int, max_seq_len: int, what: str = "") -> None:
+    """A user's prompt: at least one token, ids inside the vocabulary, and room in the cache."""
+    if not prompt_ids:
+        raise ValueError(f"{what}empty prompt: give at least one token")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        raise ValueError(f"{what}prompt token ids must lie in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}")
+    if len(prompt_ids) >= max_seq_len:
+        raise ValueError(f"{what}prompt of {len(prompt_ids)} tokens does not fit the cache (--max-seq-len {max_seq_len})")
+
+
 @torch.no_grad()
 def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, drafter=None, budget: int = 8,
              chain: bool = False, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -84,15 +94,9 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
     no host sync inside a step), "graph" (StaticStep replayed as a CUDA graph), "compile" (torch.compile).
     debug: check every layer's output for NaN/inf, and under TP that all ranks committed the same tokens."""
     stats = stats if stats is not None else Stats()
-    if not prompt_ids:
-        raise ValueError("empty prompt: give at least one token")
     dev = model.embed_tokens.weight.device
-    vocab = model.args.vocab_size
-    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-        raise ValueError(f"prompt token ids must lie in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}")
     max_seq_len = max_seq_len or model.max_seq_len or len(prompt_ids) + max_new_tokens + 80
-    if len(prompt_ids) >= max_seq_len:
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the cache (--max-seq-len {max_seq_len})")
+    check_prompt(prompt_ids, model.args.vocab_size, max_seq_len)
     if model.kv_cache is None or model.max_seq_len < max_seq_len:
         model.setup_cache(1, max_seq_len)
     speculative = drafter is not None and (budget > 0 or chain)
@@ -336,13 +340,10 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
     """Decode several prompts at once: per-sequence cache lengths, trees (same budget: the verify input is
     [batch, B+1]), acceptance and commit; sequences finish independently (stop token, length, cache end)."""
     stats = stats if stats is not None else Stats()
-    B, dev, vocab = len(prompts), model.embed_tokens.weight.device, model.args.vocab_size
-    for i, p in enumerate(prompts):
-        if not p or min(p) < 0 or max(p) >= vocab:
-            raise ValueError(f"prompt {i}: needs >= 1 token, ids in [0, {vocab})")
+    B, dev = len(prompts), model.embed_tokens.weight.device
     max_seq_len = max_seq_len or max(map(len, prompts)) + max_new_tokens + 80
-    if max(map(len, prompts)) >= max_seq_len:
-        raise ValueError(f"a prompt does not fit the cache (--max-seq-len {max_seq_len})")
+    for i, p in enumerate(prompts):
+        check_prompt(p, model.args.vocab_size, max_seq_len, f"prompt {i}: ")
     if model.kv_cache is None or model.kv_cache.shape[1] < B or model.max_seq_len < max_seq_len:
         model.setup_cache(B, max_seq_len)
     speculative = drafter is not None and (budget > 0 or chain)
