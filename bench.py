@@ -60,6 +60,7 @@ import torch.nn.functional as F
 
 import kernels
 import model as M
+from tree import ancestor_mask
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS_FILE = os.path.join(HERE, "bench_prompts.json")
@@ -446,14 +447,6 @@ def tree_parents(T: int, kind: str, g: torch.Generator) -> list[int]:
     if kind == "chain":
         return [-1] + list(range(T - 1))
     return [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, T)]
-
-
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    T = len(parents)
-    mask = torch.eye(T, dtype=torch.bool)
-    for i in range(1, T):
-        mask[i] |= mask[parents[i]]
-    return mask                                                                          # [T, T]
 
 
 def step_inputs(args: M.ModelArgs, T: int, ctx: int, tree: str, device, dtype, seed: int) -> dict:

@@ -469,6 +469,7 @@ def _time(fn):
 
 
 def gpu_selftest(tol=2e-2) -> bool:
+    from tree import ancestor_mask     # the verify mask, built as tree.py builds it
     assert torch.cuda.is_available() and HAS_TRITON, "the GPU self-test needs CUDA and triton"
     dev, dtype, ok = torch.device("cuda"), torch.bfloat16, True
     torch.manual_seed(0)
@@ -512,7 +513,7 @@ def gpu_selftest(tol=2e-2) -> bool:
                     cache = torch.randn(1, S_max, R + P, device=dev, dtype=dtype)
                     prefix_len = torch.tensor([prefix], device=dev)
                     parents = torch.tensor([-1] + [int(torch.randint(0, t, ())) for t in range(1, T)])
-                    tree_mask = _ancestor_mask(parents)[None].to(dev)
+                    tree_mask = ancestor_mask(parents)[None].to(dev)
                     args = (q_lat, q_pe, cache, prefix_len, tree_mask, scale)
                     _, rel = _compare(mla_tree_attention(*args), mla_tree_attention_ref(*args))
                     eager, graph = _time(lambda: mla_tree_attention(*args))
@@ -571,16 +572,6 @@ def sweep():
     run(globals(), "ATTN_BLOCKS", grid, attn)   # the wrappers read these module globals at call time
     splits = [dict(max_splits=m, min_split_len=n) for m in (64, 128, 256) for n in (64, 128, 256)]
     run(globals(), "ATTN_SPLITS", splits, attn)
-
-
-def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    # parents[i] < i (-1 for the root) -> [T, T] bool, row i = i and all its ancestors (the DDTree verify mask)
-    T = parents.numel()
-    mask = torch.eye(T, dtype=torch.bool)
-    for i in range(1, T):
-        if parents[i] >= 0:
-            mask[i] |= mask[parents[i]]
-    return mask
 
 
 if __name__ == "__main__":

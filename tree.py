@@ -151,6 +151,12 @@ def _ancestor_mask(parents: torch.Tensor, depth_limit: int) -> torch.Tensor:
     return mask
 
 
+def ancestor_mask(parents) -> torch.Tensor:
+    """A parent list (parents[i] < i, -1 for the root) -> [N, N] bool verify mask: row i = i and its ancestors."""
+    p = torch.as_tensor(parents, dtype=torch.long).view(1, -1)                   # [1, N]
+    return _ancestor_mask(p, max(p.shape[1] - 1, 0))[0]                          # [N, N]
+
+
 def _assemble(roots: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, dep: torch.Tensor,
               score: torch.Tensor, budget: int, depth_limit: int) -> Tree:
     """Prepend the root, pad to N = budget + 1 with padding nodes, build the ancestor mask.

@@ -23,6 +23,8 @@ def five_node_tree() -> Tree:
 
 def test_inputs():
     tr = five_node_tree()
+    from tree import ancestor_mask
+    assert torch.equal(ancestor_mask([-1, 0, 0, 1, 3]), tr.ancestor_mask[0])
     ids, pos, mask = V.verify_inputs(tr, 7)
     assert ids.tolist() == [[10, 11, 12, 13, 14]]
     assert pos.tolist() == [[7, 8, 8, 9, 10]]                  # start + depth: siblings share a position
