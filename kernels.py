@@ -249,17 +249,22 @@ def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
     return torch.sum(y.view(T, K, D), dim=1, out=out)
 
 
-def fused_moe_w4a16_ref(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, out=None):
-    T, D = x.shape
-    I = w13_packed.shape[1] // 2
-    y = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    for e in topk_ids.unique().tolist():  # host sync: fine for the reference, not for CUDA graphs
+def experts_ref(x, topk_ids, topk_weights, expert) -> torch.Tensor:
+    """Σ_k topk_weights[t, k] * SwiGLU expert topk_ids[t, k] of x [T, D], one expert at a time over the tokens
+    that chose it; expert(e) -> (w13 [2I, D] gate rows then up rows, w2 [D, I]), computed in w13's dtype and
+    accumulated in fp32. The host sync (which experts are used) is fine for a reference, not for CUDA graphs."""
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)                    # [T, D]
+    for e in topk_ids.unique().tolist():
         t, k = (topk_ids == e).nonzero(as_tuple=True)
-        w13 = dequant_int4_ref(w13_packed[e], w13_scale[e], group_size).float()   # [2I, D]
-        w2 = dequant_int4_ref(w2_packed[e], w2_scale[e], group_size).float()      # [D, I]
-        gu = x[t].float() @ w13.T                                                 # [n, 2I]
-        h = F.silu(gu[:, :I]) * gu[:, I:]                                         # [n, I]
-        y.index_add_(0, t, (h @ w2.T) * topk_weights[t, k, None])
+        w13, w2 = expert(e)
+        gate, up = F.linear(x[t].to(w13.dtype), w13).chunk(2, dim=-1)                 # [n, I] each
+        y.index_add_(0, t, F.linear(F.silu(gate) * up, w2).float() * topk_weights[t, k, None])
+    return y
+
+
+def fused_moe_w4a16_ref(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, out=None):
+    deq = lambda p, s: dequant_int4_ref(p, s, group_size).float()
+    y = experts_ref(x, topk_ids, topk_weights, lambda e: (deq(w13_packed[e], w13_scale[e]), deq(w2_packed[e], w2_scale[e])))
     if out is not None:
         return out.copy_(y)
     return y
