@@ -398,11 +398,16 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
 
 
 def load_target(ckpt: str, device: torch.device, dtype: torch.dtype, progress: bool = True) -> M.Transformer:
+    """Build the target directly on `device` in `dtype` (checked against the TP size first) and load it."""
     args = M.ModelArgs.from_config(ckpt)
     M.check_tp_divisibility(args, M.world_size)
+    old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
-    with torch.device(device):
-        model = M.Transformer(args)
+    try:
+        with torch.device(device):
+            model = M.Transformer(args)
+    finally:
+        torch.set_default_dtype(old)
     M.load_checkpoint(model, ckpt, progress=progress)
     return model.eval()
 

@@ -368,15 +368,8 @@ def export_target(model: M.Transformer, text_cfg: dict, out_dir: str, dtype=torc
 
 def load_target(ckpt: str, device, dtype) -> M.Transformer:
     """The exported target as it serves (bf16 + Triton INT4 kernels on CUDA), frozen."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = M.Transformer(M.ModelArgs.from_config(ckpt))
-    finally:
-        torch.set_default_dtype(old)
-    M.load_checkpoint(model, ckpt)
-    return model.eval().requires_grad_(False)
+    import generate as G
+    return G.load_target(ckpt, device, dtype, progress=False).requires_grad_(False)
 
 # -----------------------------------------------------------------------------------------------
 # 5. Drafter: DFlash trained on the frozen INT4 target (ddtree.md §2.4). Each sequence gets random anchors;
