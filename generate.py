@@ -169,7 +169,7 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
             stats.stage_s["verify"] += clock.lap()
             # 4. accept: the target's token at every node, then the longest matching path
             accepted, accept_len, bonus = V.accept(tr, pick(logits))
-            n = int(accept_len)                      # the one small host read of the step
+            n = int(accept_len)        # eager reads the path on the host; StaticStep makes one copy per step
             path = accepted[0, :n]
             # 5. commit: the path's KV to contiguous slots; its hidden states become drafter context
             if not V.path_is_contiguous(path.tolist(), n):
