@@ -14,7 +14,13 @@ Invariant: the per-layer context K/V cache filled incrementally (each round appe
 of the tokens committed last round, at slots ctx_len..) equals recomputing it from all context
 features at once; block K/V are never stored. The drafter never sees rejected branches: the caller
 passes features of accepted tokens only, and a row's stale slots >= ctx_len are overwritten before
-they become visible. The drafter is small (~3.5B for Kimi), so every TP rank holds all of it.
+they become visible.
+
+Tensor parallel (torchrun), like the target: each rank holds 1/world_size of the drafter's heads, of its
+intermediate rows and of fc's input columns, and only its own kv heads in the context cache. Replicating it
+would be simpler, but the Kimi drafter is ~3.5B params (6.5 GB bf16): every draft step would read all of it
+on every GPU (~1.5 ms at 4.3 TB/s, more than a whole TP8 target step); split 8 ways a rank reads ~0.8 GB
+and pays 2 all-reduces per layer + 1 (see DFlashDrafter.forward).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -179,6 +186,17 @@ def check_compatible(d: DraftArgs, t: M.ModelArgs) -> None:
         raise ValueError(f"drafter mask_token_id = {d.mask_token_id} is outside the target vocab_size = {t.vocab_size}")
 
 
+def check_tp_divisibility(a: DraftArgs, ws: int) -> None:
+    """Fail before allocating anything if the world size cannot split the drafter evenly: whole q heads and
+    whole kv heads per rank (a kv head is never replicated), whole intermediate rows and fc input columns."""
+    checks = [("num_attention_heads", a.num_attention_heads), ("num_key_value_heads", a.num_key_value_heads),
+              ("intermediate_size", a.intermediate_size),
+              ("fc input width len(target_layer_ids) x hidden_size", a.fc_in)]
+    for name, value in checks:
+        if value % ws:
+            raise ValueError(f"tensor parallel size {ws} does not divide drafter {name}={value}")
+
+
 # ----------------------------------------------------------------------------------------------
 # Rotary embedding, Qwen3 style: NeoX halves (rotate_half) over the full head_dim.
 
@@ -225,27 +243,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ----------------------------------------------------------------------------------------------
-# Layers. Replicated on every TP rank: model.py's Linear with shard_dim None, plus Qwen3's optional bias.
+# Layers, tensor-parallel like model.py: q/k/v_proj and gate/up_proj column-parallel (whole heads, slices of
+# the intermediate rows), o_proj, down_proj and fc row-parallel, each followed by an all_reduce at its call
+# site (only when world_size > 1). Norms and rope are replicated.
 
 
 class Linear(M.Linear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features, out_features)
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+    """model.Linear (shard_dim 0: column-parallel, 1: row-parallel, None: replicated) plus Qwen3's optional
+    bias. A column-parallel bias is split with the output rows. A row-parallel bias is replicated but only
+    rank 0 adds it, so the caller's all-reduce counts it once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, shard_dim: int | None = None):
+        super().__init__(in_features, out_features, shard_dim)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.weight.shape[0]))
+            self.bias.shard_dim = 0 if shard_dim == 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        # row-parallel: the caller all-reduces the ranks' partial sums, so only rank 0 adds the bias
+        bias = None if self.weight.shard_dim == 1 and M.rank != 0 else self.bias
+        return F.linear(x, self.weight, bias)
 
 
 class Attention(nn.Module):
+    """Column-parallel by heads: rank r holds q heads [r*H/ws, (r+1)*H/ws) and kv heads [r*KV/ws, ...), the
+    kv heads those q heads share (GQA groups are contiguous), so attention needs no communication; o_proj
+    is row-parallel and one all_reduce sums the heads' partial outputs."""
+
     def __init__(self, a: DraftArgs):
         super().__init__()
-        self.n_heads, self.n_kv, self.hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        H, KV, self.hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.n_heads, self.n_kv = H // M.world_size, KV // M.world_size                   # local heads
         D, b = a.hidden_size, a.attention_bias
-        self.q_proj = Linear(D, self.n_heads * self.hd, b)
-        self.k_proj = Linear(D, self.n_kv * self.hd, b)
-        self.v_proj = Linear(D, self.n_kv * self.hd, b)
-        self.o_proj = Linear(self.n_heads * self.hd, D, b)
+        self.q_proj = Linear(D, H * self.hd, b, shard_dim=0)
+        self.k_proj = Linear(D, KV * self.hd, b, shard_dim=0)
+        self.v_proj = Linear(D, KV * self.hd, b, shard_dim=0)
+        self.o_proj = Linear(H * self.hd, D, b, shard_dim=1)
         self.q_norm = RMSNorm(self.hd, a.rms_norm_eps)     # per head, before rope (Qwen3)
         self.k_norm = RMSNorm(self.hd, a.rms_norm_eps)
 
@@ -267,18 +301,26 @@ class Attention(nn.Module):
             mask = torch.cat([ctx_mask, ctx_mask.new_ones(B, bs)], dim=1)[:, None, None]  # [B, 1, 1, S+bs]
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask, scale=self.hd ** -0.5, enable_gqa=True)
-        return self.o_proj(o.transpose(1, 2).flatten(2))                                  # [B, bs, D]
+        y = self.o_proj(o.transpose(1, 2).flatten(2))                                     # [B, bs, D]
+        if M.world_size > 1:
+            dist.all_reduce(y)                  # o_proj is row-parallel: sum the heads' partial outputs
+        return y
 
 
 class MLP(nn.Module):
+    """SwiGLU: gate/up column-parallel (a slice of intermediate_size), down row-parallel + one all_reduce."""
+
     def __init__(self, a: DraftArgs):
         super().__init__()
-        self.gate_proj = Linear(a.hidden_size, a.intermediate_size)
-        self.up_proj = Linear(a.hidden_size, a.intermediate_size)
-        self.down_proj = Linear(a.intermediate_size, a.hidden_size)
+        self.gate_proj = Linear(a.hidden_size, a.intermediate_size, shard_dim=0)
+        self.up_proj = Linear(a.hidden_size, a.intermediate_size, shard_dim=0)
+        self.down_proj = Linear(a.intermediate_size, a.hidden_size, shard_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if M.world_size > 1:
+            dist.all_reduce(y)                  # down_proj is row-parallel: sum the slices' partial outputs
+        return y
 
 
 class Layer(nn.Module):
@@ -299,12 +341,13 @@ class DFlashDrafter(nn.Module):
 
     def __init__(self, args: DraftArgs):
         super().__init__()
+        check_tp_divisibility(args, M.world_size)
         self.args = args
-        self.fc = Linear(args.fc_in, args.hidden_size)
+        self.fc = Linear(args.fc_in, args.hidden_size, shard_dim=1)   # row-parallel: see fuse()
         self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.layers = nn.ModuleList(Layer(args) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.ctx_cache = None    # [n_layers, 2 (K, V), Bmax, max_ctx, n_kv, hd], allocated by setup_cache
+        self.ctx_cache = None    # [n_layers, 2 (K, V), Bmax, max_ctx, local n_kv, hd], allocated by setup_cache
         self.inv_freq = None     # fp32 on the weights' device, set by setup_cache (so .to(bf16) can't round it)
         self.rope_amp = rope_inv_freq(args)[1]
 
@@ -314,9 +357,21 @@ class DFlashDrafter(nn.Module):
 
     def setup_cache(self, max_batch_size: int, max_ctx_len: int) -> None:
         a, w = self.args, self.fc.weight
-        self.ctx_cache = torch.zeros(a.num_hidden_layers, 2, max_batch_size, max_ctx_len, a.num_key_value_heads,
+        n_kv = self.layers[0].self_attn.n_kv           # this rank's kv heads only
+        self.ctx_cache = torch.zeros(a.num_hidden_layers, 2, max_batch_size, max_ctx_len, n_kv,
                                      a.head_dim, dtype=w.dtype, device=w.device)
         self.inv_freq = rope_inv_freq(a)[0].to(w.device)                                  # [hd/2] fp32
+
+    def fuse(self, ctx_feats: torch.Tensor) -> torch.Tensor:
+        """Context features [B, n, n_taps*D] -> hidden_norm(fc(.)) [B, n, D]. fc is row-parallel: every rank
+        has all the features (the target's residual stream is replicated), multiplies its slice of the input
+        columns, and one all_reduce sums the partial products."""
+        w = self.fc.weight                                                                # [D, fc_in/ws]
+        x = ctx_feats.narrow(-1, M.rank * w.shape[1], w.shape[1]).to(w.dtype)            # ws 1: all columns
+        f = self.fc(x)
+        if M.world_size > 1:
+            dist.all_reduce(f)
+        return self.hidden_norm(f)
 
     @torch.no_grad()
     def forward(self, block_embeds: torch.Tensor, ctx_feats: torch.Tensor, ctx_len, n_valid=None) -> torch.Tensor:
@@ -328,7 +383,9 @@ class DFlashDrafter(nn.Module):
         ctx_len the caller keeps ctx_len + n_new <= max_ctx_len (not checked: that would sync the host).
         n_valid: LongTensor [B] (with a tensor ctx_len): only the first n_valid rows of ctx_feats are real
         context (fixed-shape CUDA-graph steps pad the rows); the padding rows are written past the live
-        slots, stay invisible, and the next call overwrites them."""
+        slots, stay invisible, and the next call overwrites them.
+        Under TP a forward makes 2 * num_hidden_layers + 1 all-reduces: fc, then o_proj and down_proj per
+        layer; the context K/V need none (each rank projects and caches its own kv heads)."""
         if self.ctx_cache is None:
             raise RuntimeError("call setup_cache(max_batch_size, max_ctx_len) before the drafter forward")
         B, bs, _ = block_embeds.shape
@@ -350,7 +407,7 @@ class DFlashDrafter(nn.Module):
         dtype = self.fc.weight.dtype
         cos_c, sin_c = rope_cos_sin(self.inv_freq, self.rope_amp, ctx_pos, dtype)
         cos_b, sin_b = rope_cos_sin(self.inv_freq, self.rope_amp, blk_pos, dtype)
-        f = self.hidden_norm(self.fc(ctx_feats.to(dtype)))                                # [B, n_new, D]
+        f = self.fuse(ctx_feats)                                                          # [B, n_new, D]
         h = block_embeds.to(dtype)
         for i, layer in enumerate(self.layers):
             # 1) append the new context rows' K/V to this layer's cache (positions = slots)
@@ -365,7 +422,7 @@ class DFlashDrafter(nn.Module):
     def append_context(self, ctx_feats: torch.Tensor, ctx_len: int, row: int = 0) -> None:
         """Write context rows' K/V without drafting (the prompt, before fixed-shape steps take over) into
         cache rows row .. row+B-1."""
-        f = self.hidden_norm(self.fc(ctx_feats.to(self.fc.weight.dtype)))                # [B, n, D]
+        f = self.fuse(ctx_feats)                                                          # [B, n, D]
         B, n, _ = f.shape
         pos = ctx_len + torch.arange(n, device=f.device).expand(B, n)                     # [B, n]
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_amp, pos, f.dtype)
@@ -378,7 +435,8 @@ class DFlashDrafter(nn.Module):
     def draft_logits(self, target: M.Transformer, last_token: torch.Tensor, ctx_feats: torch.Tensor,
                      ctx_len, n_valid=None) -> torch.Tensor:
         """last_token [B] (last committed / bonus token) -> fp32 logits [B, bs-1, V] for the block_size-1
-        tokens after it, in global vocab order (target.head gathers the TP shards)."""
+        tokens after it, in global vocab order. Under TP: the forward's all-reduces, plus the target's
+        embedding all-reduce and lm_head all-gather."""
         a, B = self.args, last_token.shape[0]
         block = torch.full((B, a.block_size), a.mask_token_id, dtype=torch.long, device=last_token.device)
         block[:, 0] = last_token          # slot 0 must be the real token (MASK there collapses acceptance)
@@ -409,8 +467,9 @@ def _param_name(name: str) -> str:
 
 @torch.no_grad()
 def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None, dtype=None) -> DFlashDrafter:
-    """Read config.json, check it against the target (before loading anything), build the drafter on
-    `device` in `dtype` and load every tensor exactly once with its expected shape."""
+    """Read config.json, check it against the target and the TP size (before loading anything), build the
+    drafter on `device` in `dtype` and load every tensor exactly once, checked against its full shape; each
+    rank reads only its slice (safetensors get_slice, like model.load_checkpoint)."""
     from safetensors import safe_open
     args = DraftArgs.from_config(path)
     if target_args is not None:
@@ -420,7 +479,7 @@ def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
     torch.set_default_dtype(dtype)       # allocate in the final dtype (no fp32 copy of a 3.5B model)
     try:
         with torch.device(device or "cpu"):
-            drafter = DFlashDrafter(args)
+            drafter = DFlashDrafter(args)        # checks the TP divisibility first
     finally:
         torch.set_default_dtype(old)
     params, loaded = dict(drafter.named_parameters()), set()
@@ -432,21 +491,29 @@ def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
                     raise CheckpointError(f"unexpected tensor {name} in {fname} (no such drafter parameter)")
                 if key in loaded:
                     raise CheckpointError(f"tensor {name} appears twice (again in {fname})")
-                t, p = f.get_tensor(name), params[key]
-                if not t.is_floating_point():
-                    raise CheckpointError(f"tensor {name} in {fname} has dtype {t.dtype}, expected a float")
-                if t.shape != p.shape:
-                    why = (f" ({len(args.target_layer_ids)} target_layer_ids x hidden_size {args.hidden_size} "
-                           f"input columns)") if key == "fc.weight" else ""
-                    raise CheckpointError(f"tensor {name} in {fname} has shape {list(t.shape)}, expected "
-                                          f"{list(p.shape)}{why}")
-                p.copy_(t)
+                _load_slice(f.get_slice(name), params[key], key, name, fname, args)
                 loaded.add(key)
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{path}: missing drafter tensors {missing[:5]}"
                               + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""))
     return drafter
+
+
+def _load_slice(sl, p: nn.Parameter, key: str, name: str, fname: str, args: DraftArgs) -> None:
+    """Check one checkpoint tensor's dtype and full (unsharded) shape, then copy this rank's slice into p."""
+    dtype = M._DTYPES.get(sl.get_dtype())
+    if dtype is None or not dtype.is_floating_point:
+        raise CheckpointError(f"tensor {name} in {fname} has dtype {dtype or sl.get_dtype()}, expected a float")
+    shape, sd = tuple(sl.get_shape()), getattr(p, "shard_dim", None)
+    full = list(p.shape)
+    if sd is not None:
+        full[sd] *= M.world_size
+    if shape != tuple(full):
+        why = (f" ({len(args.target_layer_ids)} target_layer_ids x hidden_size {args.hidden_size} "
+               f"input columns)") if key == "fc.weight" else ""
+        raise CheckpointError(f"tensor {name} in {fname} has shape {list(shape)}, expected {full}{why}")
+    p.copy_(M._rank_slice(sl, shape, sd, M.world_size, M.rank))
 
 
 def write_drafter(path: str, drafter_or_state, config: dict, n_shards: int = 1) -> None:

@@ -1,5 +1,6 @@
-"""Tensor parallelism on CPU with gloo: TP=2 and TP=4 logits == TP=1, greedy DDTree token streams identical
-across TP sizes, and each rank reads only its slice of the checkpoint.
+"""Tensor parallelism on CPU with gloo: TP=2 and TP=4 logits == TP=1 (target and DFlash drafter), greedy
+DDTree token streams identical across TP sizes (stub and real drafter), and each rank reads and holds only
+its slice of the checkpoints.
 Run: python -m pytest -q tests/test_tp.py"""
 import os
 import socket
@@ -9,10 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import draft as Dr
 import model as M
 import tiny
 
 CFG = dict(moe_intermediate_size=128, intermediate_size=128)   # divisible by ws x group 32 up to TP=4
+# drafter: 8 q heads / 4 kv heads (GQA groups of 2), intermediate 128, fc 2 x 64 columns: all split 4 ways;
+# with biases, so the column-split and the rank-0-only row-parallel bias are exercised
+DRAFT = dict(num_attention_heads=8, num_key_value_heads=4, attention_bias=True)
 
 
 def _free_port() -> int:
@@ -21,7 +26,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(r, ws, port, ckpt, out_dir, tokens):
+def _worker(r, ws, port, ckpt, draft_dir, out_dir, tokens):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(ws), RANK=str(r),
                       LOCAL_RANK=str(r))
     torch.set_num_threads(1)
@@ -36,14 +41,32 @@ def _worker(r, ws, port, ckpt, out_dir, tokens):
             logits = model(tokens)
         drafter = StubDrafter("random", model.args.vocab_size, seed=4)
         ids = G.generate(model, tokens[0, :5].tolist(), 20, drafter=drafter, budget=8, max_seq_len=64)
-        torch.save({"logits": logits, "ids": ids, "bytes": stats["bytes_read"]}, os.path.join(out_dir, f"r{r}.pt"))
+        out = {"logits": logits, "ids": ids, "bytes": stats["bytes_read"], **_drafter_run(model, draft_dir, tokens)}
+        torch.save(out, os.path.join(out_dir, f"r{r}.pt"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _run_tp(ws, ckpt, out_dir, tokens):
-    mp.start_processes(_worker, args=(ws, _free_port(), ckpt, out_dir, tokens), nprocs=ws, start_method="spawn")
+def _drafter_run(model, draft_dir, tokens) -> dict:
+    """The real DFlash drafter loaded at this rank's TP size: its logits on the target's features, greedy DDTree
+    ids (eager loop and fixed-shape steps), and this rank's parameter bytes (all / replicated ones)."""
+    import generate as G
+    d = Dr.load_drafter(draft_dir, model.args).eval()
+    with torch.no_grad():
+        _, feats = model(tokens[:, :-1], hidden_layers=d.target_layer_ids)             # [B, T-1, n_taps*D]
+    d.setup_cache(tokens.shape[0], 32)
+    logits = d.draft_logits(model, tokens[:, -1], feats, 0)                            # [B, bs-1, V]
+    prompt = tokens[0, :5].tolist()
+    ids = [G.generate(model, prompt, 12, drafter=d, budget=8, max_seq_len=64, mode=m) for m in ("eager", "static")]
+    nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)
+    return {"draft_logits": logits, "draft_ids": ids, "draft_bytes": nbytes(d.parameters()),
+            "draft_replicated": nbytes(p for p in d.parameters() if p.shard_dim is None)}
+
+
+def _run_tp(ws, ckpt, draft_dir, out_dir, tokens):
+    mp.start_processes(_worker, args=(ws, _free_port(), ckpt, draft_dir, str(out_dir), tokens), nprocs=ws,
+                       start_method="spawn")
     return [torch.load(os.path.join(out_dir, f"r{r}.pt")) for r in range(ws)]
 
 
@@ -54,18 +77,49 @@ def ckpt(tmp_path_factory):
     return str(d)
 
 
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tp_draft")
+    cfg = Dr.tiny_draft_config(M.ModelArgs.from_config(tiny.text_config(**CFG)), **DRAFT)
+    drafter = Dr.DFlashDrafter(Dr.DraftArgs.from_config(cfg))
+    tiny.randomize_(drafter, seed=22, std=0.2)
+    Dr.write_drafter(str(d), drafter, cfg, n_shards=2)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def ref(ckpt, draft_dir, tokens, tmp_path_factory):
+    """The TP=1 run, shared by every world size (spawning processes is most of the test time)."""
+    return _run_tp(1, ckpt, draft_dir, tmp_path_factory.mktemp("tp1"), tokens)[0]
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
 @pytest.mark.parametrize("ws", [2, 4])
-def test_tp_matches_single_rank(ckpt, tmp_path, ws):
-    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
-    ref = _run_tp(1, ckpt, tmp_path, tokens)[0]
-    outs = _run_tp(ws, ckpt, tmp_path, tokens)
+def test_tp_matches_single_rank(ckpt, draft_dir, tokens, ref, tmp_path, ws):
+    outs = _run_tp(ws, ckpt, draft_dir, tmp_path, tokens)
+    assert ref["draft_ids"][0] == ref["draft_ids"][1]    # fixed-shape steps == eager loop
     for o in outs:
-        err = ((o["logits"] - ref["logits"]).abs().max() / ref["logits"].abs().max()).item()
-        assert err <= 1e-5, err
+        assert _rel_err(o["logits"], ref["logits"]) <= 1e-5
+        assert _rel_err(o["draft_logits"], ref["draft_logits"]) <= 1e-5
         assert o["ids"] == ref["ids"]                    # every rank took the same decisions
+        assert o["draft_ids"] == ref["draft_ids"]
     # each rank read about 1/ws of the sharded bytes (replicated norms/router/attention-a make it a bit more)
     for o in outs:
         assert o["bytes"] < ref["bytes"] / ws * 1.6, (o["bytes"], ref["bytes"])
+    # the drafter: exactly 1/ws of every split tensor, plus the small replicated ones (norms, o_proj bias)
+    rep = ref["draft_replicated"]
+    assert rep < 0.01 * ref["draft_bytes"]
+    for o in outs:
+        assert o["draft_replicated"] == rep
+        assert o["draft_bytes"] == (ref["draft_bytes"] - rep) // ws + rep, (o["draft_bytes"], ref["draft_bytes"])
 
 
 def test_divisibility_checked_up_front():
@@ -74,6 +128,20 @@ def test_divisibility_checked_up_front():
         M.check_tp_divisibility(args, 8)
     with pytest.raises(ValueError, match="moe_intermediate_size=32"):
         M.check_tp_divisibility(M.ModelArgs.from_config(M.k26_config(tiny.text_config())), 2)
+    dcfg = Dr.tiny_draft_config(args)                    # 4 q heads, 2 kv heads, intermediate 128
+    dargs = Dr.DraftArgs.from_config(dcfg)
+    with pytest.raises(ValueError, match="does not divide drafter num_key_value_heads=2"):
+        Dr.check_tp_divisibility(dargs, 4)
+    with pytest.raises(ValueError, match="drafter num_attention_heads=4"):
+        Dr.check_tp_divisibility(dargs, 8)
+    with pytest.raises(ValueError, match="drafter intermediate_size=129"):
+        Dr.check_tp_divisibility(Dr.DraftArgs.from_config(dict(dcfg, intermediate_size=129)), 2)
+    M.set_tp(4, 0)                                       # building the drafter checks before allocating
+    try:
+        with pytest.raises(ValueError, match="tensor parallel size 4 does not divide drafter num_key_value_heads"):
+            Dr.DFlashDrafter(dargs)
+    finally:
+        M.set_tp(1, 0)
 
 
 RANK_SCRIPT = """
