@@ -6,6 +6,12 @@ standard library's source code, and write them in the exact K2.6 / DFlash file l
     python train.py --out /tmp/tiny --preset cpu       # smaller: about 25 minutes on 2 CPU cores
     python train.py --out /tmp/tt --preset test        # a smoke run in about a minute
     (--steps / --draft-steps / --max-files override a preset)
+    python train.py --out checkpoints --target-from checkpoints/tiny-k2   # steps 3-4 done by an earlier run
+
+--target-from DIR skips steps 3-4 (and the BPE training of step 2): the target an earlier run exported to DIR is
+copied, its tokenizer encodes the corpus, and DIR/../train_log.json (written as soon as the target is exported)
+supplies the target's settings and figures. On a GPU whose calls are time-limited, one call trains the target and
+the next the drafter; r['stage_seconds'] says how long each step took.
 
 Writes <out>/tiny-k2/ (config.json, INT4 pack-quantized shards + index, tiktoken.model, tokenizer_config.json,
 generation_config.json), <out>/tiny-k2-dflash/ (config.json, model.safetensors), and <out>/train_log.json (loss
@@ -25,13 +31,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,13 +59,16 @@ PRESETS = {
     # | target training (then steps // 10 quantization-aware steps) | drafter | evaluation.
     # bias_u: router-bias step of the load balancing. DeepSeek-V3 used 1e-3 over ~1e5 steps; ours are ~1e3
     # steps, so 10x faster (with 1e-3 the routing stays collapsed onto 2 experts for hundreds of steps).
+    # gpu: the cpu preset's small target with twice its context and more drafter training. A first trial on an H200
+    # with a 4x larger target (dim 256, 6 layers, 3000 x 32 x 256 tokens) overfit the ~2M-token corpus: held-out
+    # loss bottomed at 3.75 (step 1000) and ended at 4.39 while the training loss fell to 0.94.
     "gpu": dict(bpe_vocab=4096,
-                dim=256, layers=6, heads=8, q_lora=128, kv_lora=64, nope=32, rope=16, v=32, dense_inter=768,
-                moe_inter=256, experts=16, topk=2, ctx=256,
-                batch=32, steps=3000, lr=3e-3, bias_u=1e-2,
-                draft_layers=2, draft_inter=768, draft_steps=1500, draft_batch=16, anchors=32, draft_lr=2e-3,
-                max_files=0, eval_windows=512, log_every=100, eval_prompts=8,
-                distill_rollouts=16384, distill_steps=3000),
+                dim=128, layers=4, heads=8, q_lora=64, kv_lora=32, nope=16, rope=16, v=16, dense_inter=384,
+                moe_inter=128, experts=8, topk=2, ctx=256,
+                batch=16, steps=2500, lr=3e-3, bias_u=1e-2,
+                draft_layers=3, draft_inter=384, draft_steps=1500, draft_batch=8, anchors=16, draft_lr=2e-3,
+                max_files=0, eval_windows=256, log_every=100, eval_prompts=4,
+                distill_rollouts=16384, rollout_batch=256, distill_steps=4000),
     "cpu": dict(bpe_vocab=4096,
                 dim=128, layers=4, heads=8, q_lora=64, kv_lora=32, nope=16, rope=16, v=16, dense_inter=384,
                 moe_inter=128, experts=8, topk=2, ctx=128,
@@ -371,6 +383,98 @@ def load_target(ckpt: str, device, dtype) -> M.Transformer:
     import generate as G
     return G.load_target(ckpt, device, dtype, progress=False).requires_grad_(False)
 
+
+def train_and_export_target(p: dict, num_base: int, train: torch.Tensor, val: torch.Tensor, tdir: str, device,
+                            serve_dtype: torch.dtype, r: dict, log: dict) -> None:
+    """Steps 3-4: train the float target, round its experts to INT4, then a short QAT at low LR; keep whichever
+    serves better and export it to tdir. Fills r's val_float, val_ptq, val_qat, qat_kept, target_params,
+    train_final and log's target / qat curves."""
+    text_cfg = target_config(p, num_base)
+    with torch.device(device):
+        model = M.Transformer(M.ModelArgs.from_config(text_cfg))
+    init_weights_(model, p["layers"])
+    ev = lambda: evaluate(model, val, p["ctx"], p["eval_windows"], device)
+    dense = device.type == "cuda"
+    with expert_forward(model, dense):
+        train_target(model, train, val, p, device, log)
+        r["val_float"] = ev()
+    with expert_forward(model, dense, int4=(torch.bfloat16, serve_dtype)):
+        r["val_ptq"] = ev()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        train_target(model, train, val, p, device, log, steps=p["qat_steps"], lr=p["lr"] * 0.1, tag="qat")
+        r["val_qat"] = ev()
+    r["qat_kept"] = r["val_qat"] < r["val_ptq"]
+    if not r["qat_kept"]:
+        model.load_state_dict(before)
+    export_target(model, text_cfg, tdir, dtype=torch.bfloat16)
+    r["target_params"] = sum(t.numel() for t in model.parameters())
+    r["train_final"] = log["target"]["loss"][-1]
+
+# -----------------------------------------------------------------------------------------------
+# 3-4 reused (--target-from DIR): the target an earlier run exported, with what that run logged about it.
+
+TARGET_FILES = ("config.json", "tiktoken.model", "tokenizer_config.json")
+# The settings that shaped the target (and max_files, which picks the held-out split): the earlier run's win, so
+# the held-out files are still ones the target never trained on, and the card describes the target that ships.
+TARGET_KEYS = ("bpe_vocab", "dim", "layers", "heads", "q_lora", "kv_lora", "nope", "rope", "v", "dense_inter",
+               "moe_inter", "experts", "topk", "ctx", "batch", "steps", "lr", "bias_u", "qat_steps", "max_files")
+TARGET_RESULTS = ("val_float", "val_ptq", "val_qat", "qat_kept", "target_params", "train_final")
+
+
+def check_target_dir(path: str) -> Path:
+    """The --target-from dir, or a one-line ValueError naming it and what it lacks (before any work is done)."""
+    d, want = Path(path), f"a {TARGET_DIR} dir exported by train.py ({', '.join(TARGET_FILES)}, safetensors shards)"
+    if not d.is_dir():
+        raise ValueError(f"--target-from {path}: no such directory; expected {want}")
+    if missing := [f for f in TARGET_FILES if not (d / f).is_file()]:
+        raise ValueError(f"--target-from {path}: no {', '.join(missing)}; expected {want}")
+    return d
+
+
+def earlier_log(src: Path) -> dict:
+    """The train_log.json the earlier run wrote next to src (its <out>), or {} if it was killed before that."""
+    path = src.resolve().parent / "train_log.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def adopt_target_settings(p: dict, log: dict) -> None:
+    """p's TARGET_KEYS := the earlier run's, saying which change (a later call need not repeat --steps etc.)."""
+    old = log.get("config", {})
+    changed = {k: old[k] for k in TARGET_KEYS if k in old and old[k] != p.get(k)}
+    if changed:
+        print(f"--target-from: the target's settings from its train_log.json: {changed}", flush=True)
+    p.update(changed)
+
+
+def copy_target(src: Path, tdir: str) -> tk.Tokenizer:
+    """src's files into tdir (unless src is tdir); the tokenizer is read from the copy: the corpus is encoded by
+    the files that ship, as when step 2 trains the BPE."""
+    if src.resolve() != Path(tdir).resolve():
+        shutil.copytree(src, tdir, dirs_exist_ok=True)
+    return tk.Tokenizer.from_dir(tdir)
+
+
+def check_target_matches(p: dict, preset: str, tdir: str, num_base: int) -> None:
+    """Steps 5-6 take the context (YaRN original_max_position_embeddings) from p, the card the target's shape:
+    p must describe the target in tdir (it does after adopt_target_settings; without a log, only the same preset)."""
+    want = M.ModelArgs.from_config(target_config(p, num_base))
+    have = dataclasses.replace(M.ModelArgs.from_config(tdir), quant=None, nested=False)
+    if diff := [f.name for f in dataclasses.fields(want) if getattr(want, f.name) != getattr(have, f.name)]:
+        raise ValueError(f"--target-from: {tdir}/config.json differs from the {preset} preset's target in {diff}: "
+                         f"use the preset it was trained with")
+
+
+def reuse_target_log(earlier: dict, target: M.Transformer, r: dict, log: dict) -> None:
+    """What steps 3-4 would have put in r and log, from the earlier run's log. Without one, the parameter count
+    is recomputed and the rest stays absent (n/a in the card)."""
+    old = earlier.get("results", {})
+    r.update({k: old[k] for k in TARGET_RESULTS if k in old})
+    log.update({k: earlier[k] for k in ("target", "qat") if k in earlier})
+    if "target_params" not in r:                   # the float model's count: the loaded one packs its experts
+        with torch.device("meta"):
+            r["target_params"] = sum(t.numel() for t in M.Transformer(dataclasses.replace(target.args, quant=None))
+                                     .parameters())
+
 # -----------------------------------------------------------------------------------------------
 # 5. Drafter: DFlash trained on the frozen INT4 target (ddtree.md §2.4). Each sequence gets random anchors;
 # the block at anchor a is [token_a, MASK x (bs-1)] at positions a..a+bs-1, sees the context features of
@@ -511,8 +615,8 @@ def distill_drafter(drafter, target, train, val, p, device, log) -> None:
     (A trial on the cpu preset: held-out mid-file accept length at budget 8 went from 2.1 to 3.2.)"""
     prefix, new, bs = p["ctx"] // 2, p["ctx"] // 2, drafter.args.block_size
     t0 = time.time()
-    seqs = greedy_rollouts(target, train, p["distill_rollouts"], prefix, new, 64, torch.Generator().manual_seed(11),
-                           device)
+    seqs = greedy_rollouts(target, train, p["distill_rollouts"], prefix, new, p.get("rollout_batch", 64),
+                           torch.Generator().manual_seed(11), device)
     print(f"distill: {len(seqs)} greedy rollouts of {new} tokens ({time.time() - t0:.0f} s)", flush=True)
 
     def batch_fn(gen):
@@ -572,12 +676,48 @@ def accept_lengths(target_dir: str, draft_dir: str, val: torch.Tensor, tok: tk.T
     return out
 
 
+def fmt(r: dict, key: str, spec: str = ".4f") -> str:
+    """r[key] formatted, or 'n/a': a --target-from run whose earlier run left no log lacks the target's figures."""
+    return "n/a" if r.get(key) is None else format(r[key], spec)
+
+
+def qat_outcome(r: dict) -> str:
+    return {True: "kept", False: "discarded: no gain"}.get(r.get("qat_kept"), "n/a")
+
+
+def stage_clock(r: dict) -> Callable[[str], None]:
+    """lap(name): the wall-clock seconds since the previous lap go to r['stage_seconds'][name] and are printed
+    (on a GPU whose calls are time-limited, this says which steps fit in one call)."""
+    seconds, last = r.setdefault("stage_seconds", {}), [time.time()]
+
+    def lap(name: str) -> None:
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()                   # count queued kernels in the stage that launched them
+        now = time.time()
+        seconds[name], last[0] = round(now - last[0], 3), now
+        print(f"stage {name}: {seconds[name]:.1f} s", flush=True)
+    return lap
+
+
+def write_log(out: str, log: dict, r: dict) -> None:
+    log["results"] = r
+    Path(out, "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+
+
 def write_model_card(out: str, r: dict, p: dict) -> None:
     mb = lambda n: f"{n / 1e6:.2f} MB"
+    src = r.get("target_from")
+    cmd = f"python train.py --out {out} --preset {r['preset']}" + (f" --target-from {src}" if src else "")
+    if src and r.get("train_final") is None:
+        trained = f"Trained by an earlier run that left no `train_log.json` next to `{src}`: training figures n/a."
+    else:
+        trained = (f"{p['steps']} steps x {p['batch']} x {p['ctx']} tokens, then {p['qat_steps']} quantization-aware "
+                   f"steps ({qat_outcome(r)})" + (f"; trained by an earlier run, copied from `{src}`." if src else "."))
+    steps_s = ", ".join(f"{k} {v:.0f}" for k, v in r.get("stage_seconds", {}).items())
     card = f"""# tiny-k2 + tiny-k2-dflash
 
-`python train.py --out {out} --preset {r['preset']}`: {r['seconds']:.0f} s on {r['device']} (torch {torch.__version__},
-Python {r['python']}). Loss curves: `train_log.json`.
+`{cmd}`: {r['seconds']:.0f} s on {r['device']} (torch {torch.__version__},
+Python {r['python']}). Loss curves: `train_log.json`. Seconds per stage: {steps_s}.
 
 **Data.** The Python {r['python']} standard library (`*.py` <= 200 KB, no test suites, `idlelib`, `lib2to3`,
 `encodings`): {r['train_files']} training files ({r['train_tokens']:,} tokens); {r['val_files']} held-out files
@@ -588,17 +728,16 @@ Python {r['python']}). Loss curves: `train_log.json`.
 
 **Target** (`{TARGET_DIR}/`, K2.6 layout): DeepSeek-V3/K2 architecture, hidden {p['dim']}, {p['layers']} layers
 (1 dense + {p['layers'] - 1} MoE), {p['heads']} MLA heads, {p['experts']} routed experts top-{p['topk']} + 1 shared,
-YaRN x4 over a {p['ctx']}-token training context; {r['target_params']:,} parameters, {mb(r['target_bytes'])} on disk
-(bf16, routed experts INT4 group {GROUP}). {p['steps']} steps x {p['batch']} x {p['ctx']} tokens, then
-{p['qat_steps']} quantization-aware steps ({'kept' if r['qat_kept'] else 'discarded: no gain'}).
+YaRN x4 over a {p['ctx']}-token training context; {fmt(r, 'target_params', ',')} parameters,
+{mb(r['target_bytes'])} on disk (bf16, routed experts INT4 group {GROUP}). {trained}
 
 | held-out next-token loss (nats) | |
 |---|---|
-| float | {r['val_float']:.4f} |
-| INT4 experts, rounded after training | {r['val_ptq']:.4f} |
-| INT4 experts after quantization-aware steps | {r['val_qat']:.4f} |
-| exported checkpoint loaded back ({r['serve_dtype']}) | {r['val_exported']:.4f} |
-| (training loss, last {p['log_every']} steps) | {r['train_final']:.4f} |
+| float | {fmt(r, 'val_float')} |
+| INT4 experts, rounded after training | {fmt(r, 'val_ptq')} |
+| INT4 experts after quantization-aware steps | {fmt(r, 'val_qat')} |
+| exported checkpoint loaded back ({r['serve_dtype']}) | {fmt(r, 'val_exported')} |
+| (training loss, last {p['log_every']} steps) | {fmt(r, 'train_final')} |
 
 **Drafter** (`{DRAFT_DIR}/`, public DFlash layout): {p['draft_layers']} Qwen3-style layers, block size 8, target
 layers {r['taps']}, mask token {r['mask_id']} ([UNK]); {r['draft_params']:,} parameters, {mb(r['draft_bytes'])}.
@@ -624,6 +763,9 @@ def main(a: argparse.Namespace) -> dict:
     p.update({k: v for k, v in dict(steps=a.steps, draft_steps=a.draft_steps, max_files=a.max_files).items()
               if v is not None})
     p.setdefault("qat_steps", max(1, p["steps"] // 10))
+    src = check_target_dir(a.target_from) if a.target_from else None      # fail before any work
+    earlier = earlier_log(src) if src else {}
+    adopt_target_settings(p, earlier)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     serve_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(a.seed)
@@ -633,72 +775,72 @@ def main(a: argparse.Namespace) -> dict:
     log: dict = {"preset": a.preset, "config": p}
     r: dict = dict(preset=a.preset, python=sys.version.split()[0], serve_dtype=str(serve_dtype)[6:],
                    device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU")
+    if src:
+        r["target_from"] = str(src)
+    lap = stage_clock(r)
 
     # 1. corpus
     train_texts, val_texts, held = load_corpus(p["max_files"])
     Path(out, "heldout_files.txt").write_text("\n".join(held) + "\n")
     r.update(train_files=len(train_texts), val_files=len(held))
+    lap("corpus")
 
-    # 2. tokenizer: train, export, then encode with the exported files (the serving tokenizer)
-    ranks = bpe_ranks(train_bpe(train_texts, p["bpe_vocab"]))
-    if len(ranks) % 8:
-        raise ValueError(f"BPE vocab {len(ranks)} is not a multiple of 8 (TP 1/2/4/8): use a larger corpus/vocab")
-    tok = write_tokenizer(tdir, ranks)
+    # 2. tokenizer: train, export, then encode with the exported files (the serving tokenizer); or the copied ones
+    if src:
+        tok = copy_target(src, tdir)
+        check_target_matches(p, a.preset, tdir, tok.num_base_tokens)
+    else:
+        ranks = bpe_ranks(train_bpe(train_texts, p["bpe_vocab"]))
+        if len(ranks) % 8:
+            raise ValueError(f"BPE vocab {len(ranks)} is not a multiple of 8 (TP 1/2/4/8): use a larger corpus/vocab")
+        tok = write_tokenizer(tdir, ranks)
+    num_base = tok.num_base_tokens
     train, val = encode_corpus(tok, train_texts), encode_corpus(tok, val_texts)
-    r.update(num_base=len(ranks), train_tokens=len(train), val_tokens=len(val))
+    r.update(num_base=num_base, train_tokens=len(train), val_tokens=len(val))
     print(f"corpus: {len(train_texts)} files, {len(train):,} tokens; held out: {len(held)} files, {len(val):,} "
-          f"tokens; BPE vocab {len(ranks)} + 256 special ({time.time() - t_start:.0f} s)", flush=True)
+          f"tokens; BPE vocab {num_base} + 256 special ({time.time() - t_start:.0f} s)", flush=True)
+    lap("tokenizer")
 
-    # 3. target
-    text_cfg = target_config(p, len(ranks))
-    with torch.device(device):
-        model = M.Transformer(M.ModelArgs.from_config(text_cfg))
-    init_weights_(model, p["layers"])
-    ev = lambda: evaluate(model, val, p["ctx"], p["eval_windows"], device)
-    dense = device.type == "cuda"
-    with expert_forward(model, dense):
-        train_target(model, train, val, p, device, log)
-        r["val_float"] = ev()
-
-    # 4. INT4: round the experts, then a short QAT at low LR; keep whichever serves better. Export, load back.
-    with expert_forward(model, dense, int4=(torch.bfloat16, serve_dtype)):
-        r["val_ptq"] = ev()
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        train_target(model, train, val, p, device, log, steps=p["qat_steps"], lr=p["lr"] * 0.1, tag="qat")
-        r["val_qat"] = ev()
-    r["qat_kept"] = r["val_qat"] < r["val_ptq"]
-    if not r["qat_kept"]:
-        model.load_state_dict(before)
-    export_target(model, text_cfg, tdir, dtype=torch.bfloat16)
-    r["target_params"] = sum(t.numel() for t in model.parameters())
-    del model, before
+    # 3-4. target: train, INT4, export (or the earlier run's), then load it back as it serves
+    if not src:
+        train_and_export_target(p, num_base, train, val, tdir, device, serve_dtype, r, log)
     target = load_target(tdir, device, serve_dtype)
+    if src:
+        reuse_target_log(earlier, target, r, log)
     r["val_exported"] = evaluate(target, val, p["ctx"], p["eval_windows"], device)
-    print(f"held-out loss: float {r['val_float']:.4f}, INT4 {r['val_ptq']:.4f}, after QAT {r['val_qat']:.4f} "
-          f"({'kept' if r['qat_kept'] else 'discarded'}), exported {r['val_exported']:.4f}", flush=True)
+    print(f"held-out loss: float {fmt(r, 'val_float')}, INT4 {fmt(r, 'val_ptq')}, after QAT {fmt(r, 'val_qat')} "
+          f"({qat_outcome(r)}), exported {fmt(r, 'val_exported')}", flush=True)
+    lap("target")
+    write_log(out, log, r)                         # a run killed in the drafter steps still leaves the target's log
 
     # 5. drafter against the frozen exported target
-    dcfg = drafter_config(p, target.args, len(ranks))
+    torch.manual_seed(a.seed + 1)                  # its init does not depend on whether this run trained the target
+    dcfg = drafter_config(p, target.args, num_base)
     dargs = D.DraftArgs.from_config(dcfg)
     D.check_compatible(dargs, target.args)
     with torch.device(device):
         drafter = D.DFlashDrafter(dargs)
     init_weights_(drafter, dargs.num_hidden_layers)
+    save_drafter = lambda: D.write_drafter(ddir, {k: v.to("cpu", torch.bfloat16) for k, v in drafter.state_dict().items()},
+                                           dcfg)
     train_drafter(drafter, target, train, val, p, device, log)
+    save_drafter()                                 # a run stopped during distillation still leaves a drafter
+    lap("drafter")
     if p.get("distill_steps"):
         distill_drafter(drafter, target, train, val, p, device, log)
+    lap("distill")
+
+    # 6. evaluation: the drafter's held-out loss, accept lengths with the shipped files, sizes, the log, the card
     r["draft_val"], r["draft_acc"] = evaluate_drafter(drafter, target, val, p, device)
-    D.write_drafter(ddir, {k: v.to("cpu", torch.bfloat16) for k, v in drafter.state_dict().items()}, dcfg)
+    save_drafter()
     r.update(taps=dargs.target_layer_ids, mask_id=dargs.mask_token_id,
              draft_params=sum(t.numel() for t in drafter.parameters()))
-
-    # 6. evaluation: accept lengths with the shipped files, sizes, the log and the model card
     r["accept"] = accept_lengths(tdir, ddir, val, tok, p["eval_prompts"], device, serve_dtype)
-    r.update(target_bytes=dir_bytes(tdir), draft_bytes=dir_bytes(ddir), train_final=log["target"]["loss"][-1],
-             seconds=time.time() - t_start)
+    r.update(target_bytes=dir_bytes(tdir), draft_bytes=dir_bytes(ddir))
     r["total_bytes"] = r["target_bytes"] + r["draft_bytes"]
-    log["results"] = r
-    Path(out, "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    lap("eval")
+    r["seconds"] = time.time() - t_start
+    write_log(out, log, r)
     write_model_card(out, r, p)
     print(f"mean accept length: DDTree budget 8 {r['accept']['ddtree_b8']:.2f}, chain {r['accept']['chain']:.2f}; "
           f"{r['total_bytes'] / 1e6:.2f} MB on disk; done in {r['seconds']:.0f} s, see {out}/model_card.md")
@@ -716,6 +858,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None, help="override the preset's target steps")
     ap.add_argument("--draft-steps", type=int, default=None, help="override the preset's drafter steps")
     ap.add_argument("--max-files", type=int, default=None, help="use an even sample of this many stdlib files")
+    ap.add_argument("--target-from", metavar="DIR", default=None,
+                    help="skip steps 3-4: use the tiny-k2 dir an earlier run exported (DIR/../train_log.json, "
+                         "if there, gives its settings and figures)")
     ap.add_argument("--seed", type=int, default=1337)
     return ap.parse_args(argv)
 

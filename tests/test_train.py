@@ -7,9 +7,11 @@ Covers: the corpus split; the exported tiktoken.model reproduces the `tokenizers
 text; the target's loss falls; export -> load_checkpoint gives the in-memory model's logits (INT4 experts,
 fp32 and bf16 exports); the dense training experts equal model.experts_float_ref; the drafter's batched
 training forward equals draft.py's inference forward at every anchor; a whole `train.main` run writes
-loadable files, a log and a model card; the gpu preset fits TP 1/2/4/8, the kernels' shape rules and 25 MB.
+loadable files, a log and a model card; --target-from reuses an exported target (and the log a killed run
+leaves) without retraining it; the gpu preset fits TP 1/2/4/8, the kernels' shape rules and 25 MB.
 """
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -153,19 +155,108 @@ def test_drafter_train_forward_equals_inference(corpus):
     assert acc.shape == (7,) and all(p.grad is not None for p in drafter.parameters())
 
 
-def test_main_end_to_end(tmp_path, monkeypatch):
-    monkeypatch.setitem(TR.PRESETS, "test", dict(TR.PRESETS["test"], qat_steps=3, eval_windows=4))
-    r = TR.main(TR.parse_args(["--out", str(tmp_path), "--preset", "test", "--steps", "6", "--draft-steps", "4",
-                               "--max-files", "12"]))
+MAIN_ARGS = ["--preset", "test", "--steps", "6", "--draft-steps", "4", "--max-files", "12"]
+STAGES = {"corpus", "tokenizer", "target", "drafter", "distill", "eval"}
+
+
+def _main(out, *extra: str) -> dict:
+    """train.main on the test preset cut to seconds; every run gets the same overrides (eval_windows feeds
+    val_exported, which the --target-from tests compare across runs)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(TR.PRESETS, "test", dict(TR.PRESETS["test"], qat_steps=3, eval_windows=4))
+        return TR.main(TR.parse_args(["--out", str(out), *MAIN_ARGS, *extra]))
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """(out dir, results) of one whole train.main run, shared by the tests that need a trained target."""
+    out = tmp_path_factory.mktemp("main")
+    return out, _main(out)
+
+
+def test_main_end_to_end(first_run):
+    out, r = first_run
     for f in ["train_log.json", "model_card.md", "heldout_files.txt", "tiny-k2/config.json",
               "tiny-k2/tiktoken.model", "tiny-k2/tokenizer_config.json", "tiny-k2/generation_config.json",
               "tiny-k2-dflash/config.json", "tiny-k2-dflash/model.safetensors"]:
-        assert (tmp_path / f).is_file(), f
-    log = json.loads((tmp_path / "train_log.json").read_text())
+        assert (out / f).is_file(), f
+    log = json.loads((out / "train_log.json").read_text())
     assert set(log) >= {"target", "qat", "drafter", "results"} and len(log["target"]["loss"]) >= 1
     assert r["accept"]["ddtree_b8"] >= 1.0 and r["total_bytes"] < 25e6
-    tok = tk.Tokenizer.from_dir(tmp_path / "tiny-k2")
-    assert tok.vocab_size == M.ModelArgs.from_config(str(tmp_path / "tiny-k2")).vocab_size
+    assert set(r["stage_seconds"]) == STAGES and all(s >= 0 for s in r["stage_seconds"].values())
+    assert "n/a" not in (out / "model_card.md").read_text()
+    tok = tk.Tokenizer.from_dir(out / "tiny-k2")
+    assert tok.vocab_size == M.ModelArgs.from_config(str(out / "tiny-k2")).vocab_size
+
+
+def _same_files(a: Path, b: Path) -> None:
+    assert sorted(f.name for f in a.iterdir()) == sorted(f.name for f in b.iterdir())
+    for f in a.iterdir():
+        assert f.read_bytes() == (b / f.name).read_bytes(), f.name
+
+
+def test_target_from_reuses_exported_target(first_run, tmp_path, monkeypatch):
+    """--target-from: no target or BPE training; the same target files, figures and log; the same drafter as the
+    one-call run (its init is reseeded, and CPU training is deterministic)."""
+    first, r1 = first_run
+    for name in ("train_bpe", "train_target", "export_target"):
+        monkeypatch.setattr(TR, name, lambda *a, name=name, **kw: pytest.fail(f"--target-from ran {name}"))
+    # other --max-files / --steps: the earlier run's win (its held-out split, the card's description of its training)
+    r = _main(tmp_path, "--max-files", "10", "--steps", "99", "--target-from", str(first / "tiny-k2"))
+    _same_files(first / "tiny-k2", tmp_path / "tiny-k2")
+    _same_files(first / "tiny-k2-dflash", tmp_path / "tiny-k2-dflash")
+    assert abs(r["val_exported"] - r1["val_exported"]) < 1e-6
+    assert set(r["stage_seconds"]) == STAGES and r["target_from"] == str(first / "tiny-k2")
+    assert {k: r[k] for k in TR.TARGET_RESULTS} == {k: r1[k] for k in TR.TARGET_RESULTS}
+    log1, log = (json.loads((d / "train_log.json").read_text()) for d in (first, tmp_path))
+    assert log["target"] == log1["target"] and log["qat"] == log1["qat"] and "drafter" in log
+    assert (log["config"]["max_files"], log["config"]["steps"]) == (12, 6)
+    assert "n/a" not in (tmp_path / "model_card.md").read_text()
+
+
+def test_killed_run_leaves_target_log_and_resumes_in_place(tmp_path, monkeypatch):
+    """The GPU workflow: call 1 is killed in the drafter steps but leaves train_log.json; call 2 passes
+    --target-from <out>/tiny-k2 with the same --out (nothing copied) and gets the target's figures from it."""
+    def killed(*args, **kw):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as mp:
+        mp.setattr(TR, "train_drafter", killed)
+        with pytest.raises(KeyboardInterrupt):
+            _main(tmp_path)
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    partial = log["results"]
+    assert set(partial) >= {*TR.TARGET_RESULTS, "val_exported"} and "drafter" not in log
+    assert set(partial["stage_seconds"]) == {"corpus", "tokenizer", "target"}
+    target_files = {f.name: f.read_bytes() for f in (tmp_path / "tiny-k2").iterdir()}
+    r = _main(tmp_path, "--target-from", str(tmp_path / "tiny-k2"))
+    assert {f.name: f.read_bytes() for f in (tmp_path / "tiny-k2").iterdir()} == target_files
+    assert {k: r[k] for k in TR.TARGET_RESULTS} == {k: partial[k] for k in TR.TARGET_RESULTS}
+    assert abs(r["val_exported"] - partial["val_exported"]) < 1e-6
+    assert json.loads((tmp_path / "train_log.json").read_text())["target"] == log["target"]
+
+
+def test_target_from_without_log(first_run, tmp_path):
+    """No train_log.json next to DIR: the parameter count is recomputed, the other target figures are n/a; a
+    preset whose target differs from DIR's is refused."""
+    first, r1 = first_run
+    src = tmp_path / "bare" / "tiny-k2"
+    shutil.copytree(first / "tiny-k2", src)
+    r = _main(tmp_path / "out", "--target-from", str(src))
+    assert r["target_params"] == r1["target_params"] and abs(r["val_exported"] - r1["val_exported"]) < 1e-6
+    assert not any(k in r for k in ("val_float", "val_ptq", "val_qat", "qat_kept", "train_final"))
+    card = (tmp_path / "out" / "model_card.md").read_text()
+    assert "| float | n/a |" in card and "training figures n/a" in card
+    with pytest.raises(ValueError, match="differs from the cpu preset's target"):
+        TR.main(TR.parse_args(["--out", str(tmp_path / "cpu"), "--preset", "cpu", "--max-files", "12",
+                               "--target-from", str(src)]))
+
+
+def test_target_from_rejects_a_dir_that_is_not_an_export(tmp_path):
+    for bad, why in [(tmp_path / "nowhere", "no such directory"), (tmp_path, "no config.json")]:
+        with pytest.raises(ValueError, match=why) as e:
+            TR.main(TR.parse_args(["--out", str(tmp_path / "out"), *MAIN_ARGS, "--target-from", str(bad)]))
+        assert str(bad) in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()                         # refused before any work
 
 
 def test_gpu_preset_fits_tp_kernels_and_size_budget():
