@@ -282,8 +282,8 @@ def fused_moe_w4a16_ref(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_pac
 
 # BLOCK_Q query rows (t, h) x BLOCK_S keys per tile. Splits: enough for ~4 waves of programs, each at least
 # MIN_SPLIT keys long so the fp32 partial outputs (T*H*R*4 B per split) stay small next to the keys they summarize.
-ATTN_BLOCKS = dict(BLOCK_Q=16, BLOCK_S=32, num_warps=4, num_stages=2)
-ATTN_SPLITS = dict(max_splits=128, min_split_len=128)
+ATTN_BLOCKS = dict(BLOCK_Q=16, BLOCK_S=64, num_warps=4, num_stages=2)
+ATTN_SPLITS = dict(max_splits=256, min_split_len=128)
 
 
 def tree_mask_bits(tree_mask: torch.Tensor) -> torch.Tensor:
@@ -306,7 +306,9 @@ def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, bits_ptr, o_pt
                       sm_scale, T, H, NUM_SPLITS, stride_cb, stride_cs,
                       R: tl.constexpr, P: tl.constexpr, MIN_SPLIT: tl.constexpr,
                       BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr):
-    b = tl.program_id(0)
+    # grid (q block, split, b): the q blocks of one split are launched next to each other, so the cache tiles that
+    # the first one reads are still in L2 for the others (the cache is read from HBM about once, not once per block)
+    b = tl.program_id(2)
     split = tl.program_id(1)
     prefix = tl.load(prefix_ptr + b).to(tl.int32)
     L = prefix + T                                   # keys of row b: the prefix, then the T tree slots
@@ -317,7 +319,7 @@ def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, bits_ptr, o_pt
     s_end = tl.minimum(s_start + split_len, L)
 
     # query rows r = t*H + h of row b (q is [B, T, H, .] contiguous, so [B, T*H, .])
-    rows = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    rows = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     row_mask = rows < T * H
     offs_r = tl.arange(0, R)
     offs_p = tl.arange(0, P)
@@ -336,7 +338,10 @@ def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, bits_ptr, o_pt
         kv = tl.load(rows_s + offs_r[None, :], mask=s_mask[:, None], other=0.0)          # [BS, R] latent = K and V
         k_pe = tl.load(rows_s + R + offs_p[None, :], mask=s_mask[:, None], other=0.0)    # [BS, P] rope part of K
         scores = tl.dot(q_lat, tl.trans(kv), input_precision="ieee")
-        scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision="ieee") * sm_scale                     # [BQ, BS]
+        scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision="ieee")
+        # fp32 on purpose: under torch.compile, inductor passes the Python float sm_scale as fp64, which made the
+        # whole softmax fp64 and the PV tl.dot reject its accumulator (H200, 2026-11-29)
+        scores = (scores * sm_scale).to(tl.float32)                                                          # [BQ, BS]
 
         j = s - prefix                                                             # tree slot index of key s
         in_tree = ((bits[:, None] >> tl.maximum(j, 0)[None, :]) & 1) != 0
@@ -414,7 +419,7 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     bits = tree_mask_bits(tree_mask)                                            # [B, T] int64
     o_part = _empty((B, num_splits, T * H, R), torch.float32, q_lat.device)
     lse_part = _empty((B, num_splits, T * H), torch.float32, q_lat.device)
-    _mla_split_kernel[(B, num_splits, n_qblocks)](
+    _mla_split_kernel[(n_qblocks, num_splits, B)](
         q_lat, q_pe, cache, prefix_len, bits, o_part, lse_part,
         softmax_scale, T, H, num_splits, cache.stride(0), cache.stride(1), R=R, P=P, MIN_SPLIT=MIN_SPLIT, **cfg)
     BLOCK_R = min(R, 64)
@@ -486,7 +491,7 @@ def gpu_selftest(tol=2e-2) -> bool:
     for I in (256, 2048):  # TP8 slice, whole expert
         weights = _rand_experts(E, D, I, G, dtype, dev)
         expert_bytes = sum(w[0].numel() * w.element_size() for w in weights)
-        for T in (1, 4, 8, 16, 32, 64):
+        for T in (1, 9, 17, 33, 64):
             try:
                 x = torch.randn(T, D, device=dev, dtype=dtype)
                 topk_weights, topk_ids = torch.rand(T, E, device=dev).topk(K, dim=-1)
@@ -509,8 +514,8 @@ def gpu_selftest(tol=2e-2) -> bool:
     print(f"{'H':>3} {'T':>3} {'prefix':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'GB/s':>7}")
     R, P, scale = 512, 64, 0.14468
     for H in (8, 64):  # TP8 heads per rank, all heads
-        for T in (1, 8, 16, 32, 64):
-            for prefix in (128, 4096, 32768):
+        for T in (1, 9, 17, 33, 64):
+            for prefix in (0, 1, 1000, 32768):
                 try:
                     S_max = prefix + T + 5
                     q_lat = torch.randn(1, T, H, R, device=dev, dtype=dtype)
@@ -550,23 +555,25 @@ def sweep():
             print(f"  {key:11} {str(opt):64} " + " ".join(times))
         table[key] = default
 
-    E, D, I, K = 384, 7168, 256, 8
-    weights = _rand_experts(E, D, I, 32, dtype, dev)
+    E, D, K = 384, 7168, 8
     moe = {}
-    for T in (1, 8, 16):
-        x = torch.randn(T, D, device=dev, dtype=dtype)
-        w, ids = torch.rand(T, E, device=dev).topk(K, dim=-1)
-        moe[T] = (lambda a: lambda: fused_moe_w4a16(*a))((x, ids, w.float().contiguous(), *weights))
-    print(f"fused_moe_w4a16 I={I}, us at T = {list(moe)}; defaults {MOE_BLOCKS}")
+    for I, Ts in ((256, (1, 9)), (2048, (9, 17))):     # TP8 slice (latency regime), whole experts on one GPU
+        weights = _rand_experts(E, D, I, 32, dtype, dev)
+        for T in Ts:
+            x = torch.randn(T, D, device=dev, dtype=dtype)
+            w, ids = torch.rand(T, E, device=dev).topk(K, dim=-1)
+            moe[(I, T)] = (lambda a: lambda: fused_moe_w4a16(*a))((x, ids, w.float().contiguous(), *weights))
+    print(f"fused_moe_w4a16, us at (I, T) = {list(moe)}; defaults {MOE_BLOCKS}")
     grid = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=nw, num_stages=st)
             for n, k, nw, st in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (2, 3, 4))]
     run(MOE_BLOCKS, "gate_up", [g for g in grid if g["BLOCK_N"] <= 32], moe)
-    run(MOE_BLOCKS, "down", [g for g in grid if g["BLOCK_K"] <= I], moe)
-    del weights
+    run(MOE_BLOCKS, "down", [g for g in grid if g["BLOCK_K"] <= 256], moe)
+    del weights, moe
+    torch.cuda.empty_cache()
 
     R, P = 512, 64
     attn = {}
-    for H, T, prefix in ((8, 1, 4096), (8, 1, 32768), (8, 16, 32768), (64, 16, 4096)):
+    for H, T, prefix in ((8, 1, 32768), (8, 9, 32768), (8, 17, 32768), (64, 9, 4096)):
         cache = torch.randn(1, prefix + T, R + P, device=dev, dtype=dtype)
         a = (torch.randn(1, T, H, R, device=dev, dtype=dtype), torch.randn(1, T, H, P, device=dev, dtype=dtype), cache,
              torch.tensor([prefix], device=dev), torch.ones(1, T, T, dtype=torch.bool, device=dev).tril(), 0.14468)
