@@ -156,8 +156,39 @@ def _f(x, spec: str = ".1f") -> str:
 # e2e: autoregressive vs DFlash chain vs DDTree on the fixed prompt set
 
 
+def heldout_prompts(list_file: str, n: int = 0, chars: int = 320, seed: int = 0) -> list[dict]:
+    """Code prompts the bundled model never trained on: windows of `chars` characters from the standard-library
+    files that train.py held out (listed in `list_file`, read from this interpreter's stdlib), each starting at
+    a line chosen (seeded) in the middle 80% of its file; one window per file, cycling over the files for n > #files.
+    ~320 characters is ~100 tokens of the bundled BPE, so prompt + 128 new tokens stays inside its 256-token context."""
+    import random
+    import sysconfig
+    root = sysconfig.get_paths()["stdlib"]
+    with open(list_file) as f:
+        rels = [line.strip() for line in f if line.strip()]
+    texts = {}
+    for rel in rels:
+        path = os.path.join(root, rel)
+        if os.path.exists(path):        # another Python version may lack a file: skip it, the others stay held out
+            with open(path, encoding="utf-8", errors="replace") as f:
+                texts[rel] = f.read()
+    if not texts:
+        raise FileNotFoundError(f"{list_file}: none of its {len(rels)} held-out files exist under {root}")
+    rng, out = random.Random(seed), []
+    for i in range(n or len(texts)):
+        rel = list(texts)[i % len(texts)]
+        text = texts[rel]
+        starts = [j + 1 for j, c in enumerate(text) if c == "\n" and 0.1 * len(text) <= j < 0.9 * len(text) - chars]
+        start = rng.choice(starts) if starts else 0
+        out.append({"id": f"{rel}@{start}", "category": "heldout-code", "text": text[start:start + chars]})
+    return out
+
+
 def load_prompts(path: str, n: int = 0) -> list[dict]:
-    """The prompt set, categories interleaved (code, math, prose, code, ...) so that the first n cover them all."""
+    """The prompt set, categories interleaved (code, math, prose, code, ...) so that the first n cover them all.
+    `path` ending in .txt: a list of held-out stdlib files (train.py's heldout_files.txt), see heldout_prompts."""
+    if path.endswith(".txt"):
+        return heldout_prompts(path, n)
     with open(path) as f:
         prompts = json.load(f)["prompts"]
     by_cat: dict[str, list] = {}
@@ -510,6 +541,30 @@ def time_step(step, device, graph: bool) -> tuple[float, float | None, str | Non
         return eager, None, f"{type(e).__name__}: {str(e)[:120]}"
 
 
+def kernel_times(step, device, reps: int = 3, top: int = 6) -> dict:
+    """What the GPU itself spends on one step: torch.profiler over `reps` eager steps, the durations of the
+    device kernels (and memcpy/memset) summed per step. graph_us / kernels_us is the launch overhead a CUDA
+    graph leaves (issue 10's target: <= 1.2); the top entries say where the step's time goes."""
+    if device.type != "cuda":
+        return {"kernels_us": None, "n_kernels": None, "top_kernels": []}
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        sync(device)
+    per_name: dict[str, float] = {}
+    n = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[e.name] = per_name.get(e.name, 0.0) + e.time_range.elapsed_us() / reps
+            n += 1
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"kernels_us": sum(per_name.values()), "n_kernels": n / reps,
+            "top_kernels": [(name[:60], round(us, 1)) for name, us in ranked]}
+
+
 @torch.no_grad()
 def time_block(block: M.Block, args: M.ModelArgs, kind: str, a, device, dtype, bw: float) -> list[dict]:
     rows = []
@@ -521,6 +576,7 @@ def time_block(block: M.Block, args: M.ModelArgs, kind: str, a, device, dtype, b
             step = lambda: block(s["x"], s["cos"], s["sin"], cache, ctx, s["mask"], True)
             ids = routed_ids(block, step)
             eager, graph, why = time_step(step, device, a.graph)
+            kern = kernel_times(step, device)
             nbytes = step_bytes(block, ids, ctx, T, C * cache.element_size())
             best = min(t for t in (eager, graph) if t is not None)
             floor = nbytes["total"] / bw
@@ -529,7 +585,7 @@ def time_block(block: M.Block, args: M.ModelArgs, kind: str, a, device, dtype, b
                          "experts_uniform": None if ids is None else
                          uniform_union(args.n_routed_experts, args.num_experts_per_tok, T),
                          "eager_us": eager * 1e6, "graph_us": None if graph is None else graph * 1e6,
-                         "graph_error": why, "floor_us": floor * 1e6, "mbu": floor / best, "bytes": nbytes})
+                         "graph_error": why, "floor_us": floor * 1e6, "mbu": floor / best, "bytes": nbytes, **kern})
     return rows
 
 
@@ -586,10 +642,17 @@ def project(rows: list[dict], head: list[dict], cfg: dict, a) -> tuple[list[dict
 
 
 def print_layers(rows: list[dict], head: list[dict], proj: list[dict], assumptions: list[str], bw: float) -> None:
-    print0(table(["layer", "ctx", "T", "experts", "uniform", "eager us", "graph us", "floor us", "MBU", "MB read"],
+    print0(table(["layer", "ctx", "T", "experts", "uniform", "eager us", "graph us", "kernels us", "graph/kern",
+                  "kernels", "floor us", "MBU", "MB read"],
                  [[r["layer"], r["ctx"], r["T"], _f(r["experts"], "d"), _f(r["experts_uniform"]), _f(r["eager_us"]),
-                   _f(r["graph_us"]), _f(r["floor_us"]), _f(100 * r["mbu"], ".1f") + "%", _f(r["bytes"]["total"] / 1e6)]
-                  for r in rows]))
+                   _f(r["graph_us"]), _f(r["kernels_us"]),
+                   _f(r["graph_us"] / r["kernels_us"] if r["graph_us"] and r["kernels_us"] else None, ".2f"),
+                   _f(r["n_kernels"], ".0f"), _f(r["floor_us"]), _f(100 * r["mbu"], ".1f") + "%",
+                   _f(r["bytes"]["total"] / 1e6)] for r in rows]))
+    for r in rows:
+        if r["top_kernels"]:
+            print0(f"  {r['layer']} ctx {r['ctx']} T {r['T']} top kernels (us/step): "
+                   + "; ".join(f"{n} {us}" for n, us in r["top_kernels"]))
     print0(f"floor = bytes read / {bw / 1e9:.0f} GB/s copy bandwidth measured in this run; bytes = attention "
            f"weights + distinct routed experts (INT4 + scales, 3 matrices) + shared expert + router + KV "
            f"(ctx + T) x (kv_lora + rope) x dtype bytes (dense: attention + MLP + KV); MBU = floor / best time")
@@ -646,6 +709,172 @@ def bench_layers(a, device, dtype) -> dict:
     return {"scale": scale, "tp": a.tp, "dtype": str(dtype).replace("torch.", ""), "tree": a.tree,
             "copy_bandwidth_Bps": bw, "copy_bytes": nbytes, "allreduce_us": a.allreduce_us, "rows": rows,
             "lm_head": head, "projection": proj, "assumptions": assumptions}
+
+
+# ----------------------------------------------------------------------------------------------
+# split: how to cut the routed experts across TP ranks (issue 8), and whether the drafter should be split too
+
+
+def _moe_call(x, ids, w, experts: tuple):
+    """The routed-expert kernel model.py runs (Triton on CUDA, the reference elsewhere)."""
+    fn = kernels.fused_moe_w4a16 if kernels.use_triton(x.device) else kernels.fused_moe_w4a16_ref
+    return lambda: fn(x, ids, w, *experts)
+
+
+@torch.no_grad()
+def bench_moe_split(a, device, dtype, n_routings: int = 3) -> dict:
+    """Routed experts of one K2.6 MoE layer at TP a.tp, two ways, timed on this GPU as rank-sized problems:
+    TP inside every expert (all E experts, I/tp columns each: every rank reads 1/tp of every routed expert) vs
+    expert parallel (E/tp whole experts per rank: a rank reads only its own routed experts, whole). Under EP the
+    step waits for the busiest rank, so its time is the max over ranks of the kernel on that rank's (token,
+    expert) pairs. Both then need the same one all-reduce per layer, so it is left out."""
+    cfg = k26_text_config(_scale(a, device))
+    E, D, I, K, tp = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"], \
+        cfg["num_experts_per_tok"], a.tp
+    assert E % tp == 0 and I % (tp * 32) == 0, f"E={E}, I={I} must split over tp={tp}"
+    bw = copy_bandwidth(device, a.copy_mb * 2**20 if a.copy_mb else (2 * 2**30 if device.type == "cuda" else 2**27))
+    tp_w = kernels._rand_experts(E, D, I // tp, 32, dtype, device)
+    ep_w = kernels._rand_experts(E // tp, D, I, 32, dtype, device)
+    expert_bytes = sum(t[0].numel() * t.element_size() for t in ep_w)                 # one whole expert
+    print0(f"\n## moe-split: {E} experts top-{K}, I={I}, D={D}, INT4 g32, TP{tp}: TP-in-expert (I/{tp} per rank) "
+           f"vs EP ({E // tp} whole experts per rank); copy bandwidth {bw / 1e9:.0f} GB/s")
+    g = torch.Generator().manual_seed(a.seed)
+    rows = []
+    for T in a.T:
+        for r in range(n_routings):
+            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(device)      # [T, K]
+            w = torch.rand(T, K, generator=g).to(device)
+            x = torch.randn(T, D, generator=g).to(device, dtype)
+            t_tp = median_time(_moe_call(x, ids, w, tp_w), device, graph=a.graph)
+            per_rank, n_local = [], []
+            for rk in range(tp):
+                t_idx, k_idx = ((ids >= rk * E // tp) & (ids < (rk + 1) * E // tp)).nonzero(as_tuple=True)
+                n_local.append(int(ids[t_idx, k_idx].unique().numel()))
+                if len(t_idx) == 0:
+                    per_rank.append(0.0)
+                    continue
+                # one row per local (token, expert) pair, K = 1: the same work as the rank's share of the layer
+                call = _moe_call(x[t_idx].contiguous(), (ids[t_idx, k_idx] - rk * E // tp)[:, None].contiguous(),
+                                 w[t_idx, k_idx][:, None].contiguous(), ep_w)
+                per_rank.append(median_time(call, device, graph=a.graph))
+            distinct = int(ids.unique().numel())
+            rows.append({"T": T, "routing": r, "distinct_experts": distinct, "ep_max_experts": max(n_local),
+                         "tp_us": t_tp * 1e6, "ep_max_us": max(per_rank) * 1e6,
+                         "ep_mean_us": sum(per_rank) / tp * 1e6,
+                         "tp_floor_us": distinct * expert_bytes / tp / bw * 1e6,
+                         "ep_floor_us": max(n_local) * expert_bytes / bw * 1e6})
+    print0(table(["T", "routing", "experts", "EP busiest rank", "TP us", "EP max us", "EP mean us", "TP floor us",
+                  "EP floor us"],
+                 [[r["T"], r["routing"], r["distinct_experts"], r["ep_max_experts"], _f(r["tp_us"]),
+                   _f(r["ep_max_us"]), _f(r["ep_mean_us"]), _f(r["tp_floor_us"]), _f(r["ep_floor_us"])]
+                  for r in rows]))
+    print0("floor = bytes that rank reads / copy bandwidth; EP's step waits for its busiest rank")
+    del tp_w, ep_w
+    _free(device)
+    return {"tp": tp, "copy_bandwidth_Bps": bw, "rows": rows}
+
+
+@torch.no_grad()
+def bench_allreduce(a, device, dtype, n_graph: int = 61) -> dict:
+    """Under torchrun: one all-reduce of a [T, hidden] activation (what o_proj and the MoE each end with), eager
+    and captured n_graph times back to back in one CUDA graph (as a whole-model graph replays them), per T.
+    Collectives per layer = 2 (model.py), so a layer pays 2x this."""
+    import torch.distributed as dist
+    if M.world_size < 2:
+        raise ValueError("bench.py allreduce needs torchrun with --nproc-per-node >= 2")
+    D = k26_text_config(_scale(a, device))["hidden_size"]
+    def per_call(fn, iters: int = 50) -> float:
+        # a fixed number of calls on every rank: an adaptive timer (triton's do_bench picks its repetitions from
+        # a first measurement) lets the ranks disagree on the count, and a collective then waits forever
+        for _ in range(5):
+            fn()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync(device)
+        return (time.perf_counter() - t0) / iters
+
+    rows = []
+    for T in a.T:
+        x = torch.randn(T, D, device=device, dtype=dtype)
+        eager = per_call(lambda: dist.all_reduce(x))
+        graph = None
+        if device.type == "cuda" and a.graph:
+            dist.all_reduce(x)                                   # NCCL's lazy init must happen outside capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(n_graph):
+                    dist.all_reduce(x)
+            graph = per_call(g.replay, iters=10) / n_graph
+        rows.append({"T": T, "eager_us": eager * 1e6, "graph_us": None if graph is None else graph * 1e6})
+    print0(f"\n## allreduce: [T, {D}] {str(dtype)[6:]} across {M.world_size} ranks "
+           f"({dist.get_backend()}); graph = {n_graph} captured back to back, per call")
+    print0(table(["T", "eager us", "graph us", "per layer (2x) us"],
+                 [[r["T"], _f(r["eager_us"]), _f(r["graph_us"]),
+                   _f(2 * (r["graph_us"] if r["graph_us"] is not None else r["eager_us"]))] for r in rows]))
+    return {"world_size": M.world_size, "hidden": D, "rows": rows}
+
+
+def k26_draft_config(scale: str) -> dict:
+    """The Kimi K2.6 DFlash drafter's config (ddtree.md §2.5); 'tiny' shrinks it for CPU smoke tests."""
+    cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=7168, intermediate_size=18432,
+               num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+               rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=262144, attention_bias=False,
+               rope_scaling=dict(rope_type="yarn", factor=64.0, original_max_position_embeddings=4096,
+                                 beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+               vocab_size=163840, tie_word_embeddings=False, block_size=8, num_target_layers=61,
+               dflash_config=dict(mask_token_id=163838, target_layer_ids=[1, 12, 24, 35, 47, 58]))
+    if scale == "tiny":
+        cfg.update(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=8, head_dim=32,
+                   vocab_size=1024, dflash_config=dict(mask_token_id=1022, target_layer_ids=[1, 12, 24, 35, 47, 58]))
+    return cfg
+
+
+@torch.no_grad()
+def bench_draft(a, device, dtype) -> dict:
+    """One drafter forward (block_size tokens + block_size new context rows, ctx cached) of the K2.6 DFlash
+    drafter: replicated (every rank runs all of it) vs tensor-parallel per-rank shapes at a.tp plus its
+    2 * layers + 1 all-reduces at --allreduce-us each."""
+    import draft as Dr
+    cfg = k26_draft_config(_scale(a, device))
+    args = Dr.DraftArgs.from_config(cfg)
+    bw = copy_bandwidth(device, a.copy_mb * 2**20 if a.copy_mb else (2 * 2**30 if device.type == "cuda" else 2**27))
+    rows = []
+    for tp in sorted({1, a.tp}):
+        old_tp, old_dtype = (M.world_size, M.rank), torch.get_default_dtype()
+        M.set_tp(tp, 0)
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                drafter = Dr.DFlashDrafter(args)
+        finally:
+            M.set_tp(*old_tp)
+            torch.set_default_dtype(old_dtype)
+        for p_ in drafter.parameters():
+            p_.normal_(0.0, p_.shape[-1] ** -0.5) if p_.dim() > 1 else p_.fill_(1.0)
+        nbytes = param_bytes(drafter)
+        for ctx in a.ctx:
+            drafter.setup_cache(1, ctx + 2 * args.block_size)
+            block = torch.randn(1, args.block_size, args.hidden_size, device=device, dtype=dtype)
+            feats = torch.randn(1, args.block_size, args.fc_in, device=device, dtype=dtype)
+            ctx_len = torch.tensor([ctx], device=device)
+            step = lambda: drafter(block, feats, ctx_len)
+            t = median_time(step, device, graph=a.graph and device.type == "cuda")
+            comm = (2 * args.num_hidden_layers + 1) * a.allreduce_us if tp > 1 else 0.0
+            rows.append({"tp": tp, "ctx": ctx, "weights_MB": nbytes / 1e6, "us": t * 1e6, "comm_us": comm,
+                         "total_us": t * 1e6 + comm, "floor_us": nbytes / bw * 1e6})
+        del drafter
+        _free(device)
+    print0(f"\n## draft: K2.6 DFlash drafter ({args.num_hidden_layers} layers, hidden {args.hidden_size}), one forward "
+           f"of {args.block_size} block tokens + {args.block_size} new context rows; replicated vs TP{a.tp} per rank")
+    print0(table(["TP", "ctx", "MB/rank", "forward us", "all-reduces us", "total us", "floor us"],
+                 [[r["tp"], r["ctx"], _f(r["weights_MB"]), _f(r["us"]), _f(r["comm_us"]), _f(r["total_us"]),
+                   _f(r["floor_us"])] for r in rows]))
+    print0(f"all-reduces: {2 * args.num_hidden_layers + 1} per forward (fc, then o_proj and down_proj per layer) at "
+           f"{a.allreduce_us:g} us (--allreduce-us); the draft logits (target lm_head) are not included")
+    return {"tp": a.tp, "copy_bandwidth_Bps": bw, "rows": rows}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -894,11 +1123,12 @@ def main(argv: list[str] | None = None) -> dict:
               "args": {k: v for k, v in vars(a).items()}}
     modes = ["e2e", "layers", "peer"] if a.mode == "all" else [a.mode]
     for mode in modes:
-        if mode != "e2e" and M.world_size > 1:
+        if mode not in ("e2e", "allreduce") and M.world_size > 1:
             result[mode] = {"skipped": "single-process mode: run it without torchrun"}
             print0(f"\n## {mode}: skipped under torchrun (single-process mode)")
             continue
-        fn = {"e2e": bench_e2e, "layers": bench_layers, "peer": bench_peer}[mode]
+        fn = {"e2e": bench_e2e, "layers": bench_layers, "moe-split": bench_moe_split, "draft": bench_draft,
+              "allreduce": bench_allreduce, "peer": bench_peer}[mode]
         if mode == "e2e" and a.batch:
             fn = bench_batch
         try:
@@ -911,6 +1141,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.out and M.rank == 0:
         write_out(result, a.out)
     print0(json.dumps(result))
+    M.close_distributed()
     return result
 
 
@@ -925,7 +1156,7 @@ def _floats(s: str) -> list[float]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("mode", choices=["e2e", "layers", "peer", "all"])
+    p.add_argument("mode", choices=["e2e", "layers", "moe-split", "draft", "allreduce", "peer", "all"])
     p.add_argument("--batch", type=_ints, default=[], help="e2e: batch sizes (e.g. 1,4,16,64): batched decoding")
     p.add_argument("--step-mode", choices=["eager", "static", "graph", "compile"], default="eager",
                    help="e2e decode loop: the eager reference, the fixed-shape step, that step as a CUDA graph, or compiled")
@@ -934,7 +1165,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     e.add_argument("--draft", default=None, help="DFlash drafter dir (default: the bundled one with the bundled "
                                                  "target; '' for AR only)")
     e.add_argument("--tokenizer", default=None, help="dir with tiktoken.model (default: --ckpt)")
-    e.add_argument("--prompts", default=PROMPTS_FILE, help="prompt set (JSON: {prompts: [{category, text}]})")
+    e.add_argument("--prompts", default=PROMPTS_FILE, help="prompt set (JSON: {prompts: [{category, text}]}), or a "
+                   "held-out file list (.txt, e.g. checkpoints/heldout_files.txt: windows of those stdlib files)")
     e.add_argument("--n-prompts", type=int, default=0, help="use the first N prompts (0: all)")
     e.add_argument("--budgets", type=_ints, default=[1, 2, 4, 8, 16, 32, 64], help="DDTree node budgets")
     e.add_argument("--temperature", type=_floats, default=[0.0, 1.0], help="comma-separated, e.g. 0 or 0,1")

@@ -438,12 +438,14 @@ def main(argv=None) -> int:
     --debug shows the traceback instead."""
     args = parse_args(argv)
     try:
-        return _main(args)
+        rc = _main(args)
     except (FileNotFoundError, ValueError, RuntimeError, KeyError) as e:
         if args.debug:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    M.close_distributed()
+    return rc
 
 
 def _main(args: argparse.Namespace) -> int:

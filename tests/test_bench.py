@@ -122,6 +122,35 @@ def test_layers(capsys):
     assert any("124 x 20 us" in s for s in lay["assumptions"])
 
 
+def test_moe_split(capsys):
+    res = bench.main(["moe-split", "--scale", "tiny", "--tp", "8", "--T", "1,9", "--copy-mb", "8"])
+    assert last_json(capsys) == json.loads(json.dumps(res))
+    ms = res["moe-split"]
+    cfg = bench.k26_text_config("tiny")
+    E, k, D, I = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+    expert_bytes = 3 * I * D // 8 * 4 + 3 * I * D // 32 * 4          # one whole expert: INT4 words + fp32 scales
+    assert sorted({r["T"] for r in ms["rows"]}) == [1, 9]
+    for r in ms["rows"]:
+        assert k <= r["distinct_experts"] <= min(E, k * r["T"])
+        assert 1 <= r["ep_max_experts"] <= min(E // 8, r["distinct_experts"])
+        assert r["tp_us"] > 0 and r["ep_max_us"] >= r["ep_mean_us"] > 0
+        assert close(r["tp_floor_us"], r["distinct_experts"] * expert_bytes / 8 / ms["copy_bandwidth_Bps"] * 1e6)
+        assert close(r["ep_floor_us"], r["ep_max_experts"] * expert_bytes / ms["copy_bandwidth_Bps"] * 1e6)
+
+
+def test_draft_replicated_vs_tp(capsys):
+    res = bench.main(["draft", "--scale", "tiny", "--tp", "8", "--ctx", "16", "--copy-mb", "8",
+                      "--allreduce-us", "20"])
+    assert last_json(capsys) == json.loads(json.dumps(res))
+    rows = {r["tp"]: r for r in res["draft"]["rows"]}
+    assert set(rows) == {1, 8}
+    # per-rank weights: 1/8 of the split matrices, norms replicated
+    assert rows[8]["weights_MB"] < rows[1]["weights_MB"] / 8 * 1.05
+    assert rows[1]["comm_us"] == 0 and close(rows[8]["comm_us"], (2 * 6 + 1) * 20)
+    for r in rows.values():
+        assert close(r["total_us"], r["us"] + r["comm_us"])
+
+
 def test_layers_tp1_shapes_hold_all_heads():
     """Per-rank shapes: at TP1 the attention weights are larger than rank 0's slice at TP8 (only q_a and
     kv_a are replicated), and the forward never calls a collective (no process group exists here)."""
@@ -179,3 +208,26 @@ def test_e2e_batch_and_static_steps(pair, capsys):
                       "--n-prompts", "2", "--max-new-tokens", "10", "--temperature", "0", "--step-mode", "static",
                       "--warmup", "0"])
     assert all(r["lossless"] for r in res["e2e"]["runs"] if r["mode"] != "ar")
+
+
+def test_heldout_prompts_are_windows_of_the_heldout_files(tmp_path):
+    import sysconfig
+    root = sysconfig.get_paths()["stdlib"]
+    lst = tmp_path / "heldout_files.txt"
+    lst.write_text("json/decoder.py\nno/such/file.py\nstring.py\n")
+    prompts = bench.load_prompts(str(lst), 5)
+    assert len(prompts) == 5 and {p["category"] for p in prompts} == {"heldout-code"}
+    for p in prompts:
+        rel, start = p["id"].rsplit("@", 1)
+        assert rel in ("json/decoder.py", "string.py")          # the missing file is skipped, not guessed
+        text = open(f"{root}/{rel}", encoding="utf-8").read()
+        assert p["text"] == text[int(start):int(start) + 320] and (int(start) == 0 or text[int(start) - 1] == "\n")
+    assert bench.load_prompts(str(lst), 5) == prompts            # seeded: the same windows every run
+    lst.write_text("no/such/file.py\n")
+    with pytest.raises(FileNotFoundError, match="none of its 1 held-out files"):
+        bench.load_prompts(str(lst))
+
+
+def test_allreduce_needs_torchrun():
+    with pytest.raises(ValueError, match="needs torchrun"):
+        bench.main(["allreduce", "--T", "1"])
