@@ -541,6 +541,17 @@ def time_step(step, device, graph: bool) -> tuple[float, float | None, str | Non
         return eager, None, f"{type(e).__name__}: {str(e)[:120]}"
 
 
+def time_compiled(step, device) -> tuple[float | None, str | None]:
+    """(seconds per call of a torch.compile'd step, or None and why compiling failed). The first call
+    compiles, so it is made before timing."""
+    try:
+        step()
+        sync(device)
+        return median_time(step, device), None
+    except Exception as e:                  # report and go on: compile support varies across torch versions
+        return None, f"{type(e).__name__}: {str(e)[:160]}"
+
+
 def kernel_times(step, device, reps: int = 3, top: int = 6) -> dict:
     """What the GPU itself spends on one step: torch.profiler over `reps` eager steps, the durations of the
     device kernels (and memcpy/memset) summed per step. graph_us / kernels_us is the launch overhead a CUDA
@@ -569,6 +580,7 @@ def kernel_times(step, device, reps: int = 3, top: int = 6) -> dict:
 def time_block(block: M.Block, args: M.ModelArgs, kind: str, a, device, dtype, bw: float) -> list[dict]:
     rows = []
     C = args.kv_lora_rank + args.qk_rope_head_dim
+    cblock = torch.compile(block, dynamic=False) if a.compile else None   # recompiles per (ctx, T): one shape each
     for ctx in a.ctx:
         cache = randn((1, ctx + max(a.T), C), device, dtype, seed=ctx)                   # [1, S, R+P]
         for T in a.T:
@@ -576,16 +588,22 @@ def time_block(block: M.Block, args: M.ModelArgs, kind: str, a, device, dtype, b
             step = lambda: block(s["x"], s["cos"], s["sin"], cache, ctx, s["mask"], True)
             ids = routed_ids(block, step)
             eager, graph, why = time_step(step, device, a.graph)
+            compiled, why_c = (None, None)
+            if a.compile:
+                compiled, why_c = time_compiled(lambda: cblock(s["x"], s["cos"], s["sin"], cache, ctx, s["mask"],
+                                                               True), device)
             kern = kernel_times(step, device)
             nbytes = step_bytes(block, ids, ctx, T, C * cache.element_size())
-            best = min(t for t in (eager, graph) if t is not None)
+            best = min(t for t in (eager, graph, compiled) if t is not None)
             floor = nbytes["total"] / bw
             rows.append({"layer": kind, "ctx": ctx, "T": T, "tree": a.tree if T > 1 else None,
                          "experts": None if ids is None else int(ids.unique().numel()),
                          "experts_uniform": None if ids is None else
                          uniform_union(args.n_routed_experts, args.num_experts_per_tok, T),
                          "eager_us": eager * 1e6, "graph_us": None if graph is None else graph * 1e6,
-                         "graph_error": why, "floor_us": floor * 1e6, "mbu": floor / best, "bytes": nbytes, **kern})
+                         "graph_error": why, "compile_us": None if compiled is None else compiled * 1e6,
+                         "compile_error": why_c, "floor_us": floor * 1e6, "mbu": floor / best, "bytes": nbytes,
+                         **kern})
     return rows
 
 
@@ -603,7 +621,7 @@ def time_head(cfg: dict, a, device, dtype, bw: float) -> list[dict]:
 
 
 def _best_us(r: dict) -> float:
-    return min(t for t in (r["eager_us"], r["graph_us"]) if t is not None)
+    return min(t for t in (r["eager_us"], r["graph_us"], r.get("compile_us")) if t is not None)
 
 
 def project(rows: list[dict], head: list[dict], cfg: dict, a) -> tuple[list[dict], list[str]]:
@@ -615,7 +633,7 @@ def project(rows: list[dict], head: list[dict], cfg: dict, a) -> tuple[list[dict
     no_dense = "" if any(r["layer"] == "dense" for r in rows) else "; dense layer not timed (--no-dense): counted as MoE"
     assumptions = [
         f"{n_layers} layers: {n_moe} MoE + {n_dense} dense, each timed as the block above at the same ctx and T "
-        f"(best of eager and CUDA graph){no_dense}",
+        f"(best of eager, CUDA graph and torch.compile where timed){no_dense}",
         f"per-rank shapes at TP{a.tp}: one rank's step time is the model's step time (all ranks work in lockstep)",
         f"collectives: 2 all-reduces per layer (attention o_proj, MLP/MoE) + the embedding all-reduce + the lm_head "
         f"all-gather = {n_coll} x {a.allreduce_us:g} us = {n_coll * a.allreduce_us / 1e3:.2f} ms (--allreduce-us; "
@@ -642,10 +660,10 @@ def project(rows: list[dict], head: list[dict], cfg: dict, a) -> tuple[list[dict
 
 
 def print_layers(rows: list[dict], head: list[dict], proj: list[dict], assumptions: list[str], bw: float) -> None:
-    print0(table(["layer", "ctx", "T", "experts", "uniform", "eager us", "graph us", "kernels us", "graph/kern",
-                  "kernels", "floor us", "MBU", "MB read"],
+    print0(table(["layer", "ctx", "T", "experts", "uniform", "eager us", "compile us", "graph us", "kernels us",
+                  "graph/kern", "kernels", "floor us", "MBU", "MB read"],
                  [[r["layer"], r["ctx"], r["T"], _f(r["experts"], "d"), _f(r["experts_uniform"]), _f(r["eager_us"]),
-                   _f(r["graph_us"]), _f(r["kernels_us"]),
+                   _f(r["compile_us"]), _f(r["graph_us"]), _f(r["kernels_us"]),
                    _f(r["graph_us"] / r["kernels_us"] if r["graph_us"] and r["kernels_us"] else None, ".2f"),
                    _f(r["n_kernels"], ".0f"), _f(r["floor_us"]), _f(100 * r["mbu"], ".1f") + "%",
                    _f(r["bytes"]["total"] / 1e6)] for r in rows]))
@@ -659,6 +677,9 @@ def print_layers(rows: list[dict], head: list[dict], proj: list[dict], assumptio
     errs = {r["graph_error"] for r in rows if r["graph_error"]}
     if errs:
         print0(f"CUDA graph capture failed: {'; '.join(errs)}")
+    errs = {r["compile_error"] for r in rows if r["compile_error"]}
+    if errs:
+        print0(f"torch.compile failed: {'; '.join(errs)}")
     print0("lm_head per rank: " + ", ".join(f"T={h['T']}: {h['us']:.1f} us (floor {h['floor_us']:.1f})" for h in head))
     print0("\nprojection to the whole model, per decode/verify step:")
     for s in assumptions:
@@ -1184,6 +1205,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     l.add_argument("--tree", choices=["random", "chain"], default="random", help="tree shape for T > 1")
     l.add_argument("--no-dense", dest="dense", action="store_false", help="skip the dense layer-0 block")
     l.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph timings")
+    l.add_argument("--compile", action="store_true", help="layers: also time torch.compile of each block")
     l.add_argument("--allreduce-us", type=float, default=25.0, help="cost of one collective in the projection")
     l.add_argument("--copy-mb", type=int, default=0, help="size of the bandwidth copy (0: 2048 on CUDA, 128 on CPU)")
     l.add_argument("--peer-experts", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"],

@@ -122,6 +122,18 @@ def test_layers(capsys):
     assert any("124 x 20 us" in s for s in lay["assumptions"])
 
 
+def test_layers_compile_column(capsys):
+    """--compile times torch.compile of the block next to eager (issue 10's eager vs compile vs graph); the
+    best time of the row, and so the MBU and the projection, takes it into account."""
+    res = bench.main(["layers", "--scale", "tiny", "--tp", "8", "--ctx", "16", "--T", "1", "--copy-mb", "8",
+                      "--no-dense", "--compile"])
+    assert last_json(capsys) == json.loads(json.dumps(res))
+    (r,) = res["layers"]["rows"]
+    assert r["compile_error"] is None and r["compile_us"] > 0
+    assert close(r["mbu"], r["floor_us"] / min(r["eager_us"], r["compile_us"]))
+    assert r["graph_us"] is None                          # CPU: no CUDA graph
+
+
 def test_moe_split(capsys):
     res = bench.main(["moe-split", "--scale", "tiny", "--tp", "8", "--T", "1,9", "--copy-mb", "8"])
     assert last_json(capsys) == json.loads(json.dumps(res))
