@@ -2,7 +2,7 @@
 Train the bundled tiny Kimi-K2.6-architecture model and its DFlash drafter, from nothing but the Python
 standard library's source code, and write them in the exact K2.6 / DFlash file layouts.
 
-    python train.py --out checkpoints                  # the shipped files (preset gpu: sized for < 6 min on an H200)
+    python train.py --out checkpoints                  # the shipped recipe (preset gpu: ~7 min on one H200, measured)
     python train.py --out /tmp/tiny --preset cpu       # smaller: about 25 minutes on 2 CPU cores
     python train.py --out /tmp/tt --preset test        # a smoke run in about a minute
     (--steps / --draft-steps / --max-files override a preset)
