@@ -243,3 +243,26 @@ def test_heldout_prompts_are_windows_of_the_heldout_files(tmp_path):
 def test_allreduce_needs_torchrun():
     with pytest.raises(ValueError, match="needs torchrun"):
         bench.main(["allreduce", "--T", "1"])
+
+
+def test_allreduce_under_torchrun_gloo(tmp_path):
+    """The allreduce mode across 2 CPU ranks (gloo): every rank makes the same number of collectives (an adaptive
+    timer would let them disagree and hang), prints on rank 0 only, and the processes exit cleanly."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "ar.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(port), "bench.py", "allreduce", "--T", "1,9", "--out", str(out)],
+                          cwd=os.path.dirname(bench.__file__), env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("## allreduce") == 1                 # rank 0 only
+    res = json.loads(out.read_text())["allreduce"]
+    assert res["world_size"] == 2 and [r["T"] for r in res["rows"]] == [1, 9]
+    assert all(r["eager_us"] > 0 and r["graph_us"] is None for r in res["rows"])
