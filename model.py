@@ -554,14 +554,16 @@ class Gate(nn.Module):
         super().__init__()
         self.top_k, self.n_group, self.topk_group = args.num_experts_per_tok, args.n_group, args.topk_group
         self.norm, self.scale = args.norm_topk_prob, args.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size))     # [E, D]
+        # [E, D] in fp32 whatever the model dtype: the scores are computed in fp32 (as the reference does), so
+        # the bf16 checkpoint weight is upcast once at load instead of being converted again on every step
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size, dtype=torch.float32))
         self.weight.shard_dim = None
         self.e_score_correction_bias = nn.Parameter(torch.zeros(args.n_routed_experts, dtype=torch.float32))
         self.e_score_correction_bias.shard_dim = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] fp32, expert ids [N, k])"""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()                          # [N, E]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()        # [N, E]; .float() is free on fp32
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:
             grouped = choice.view(x.shape[0], self.n_group, -1)                               # [N, G, E/G]

@@ -132,6 +132,29 @@ def test_k26_int4_roundtrip(tmp_path):
         assert rel_err(model(tokens), ref(tokens)) <= 1e-4
 
 
+def test_router_weight_is_fp32_in_a_bf16_model(tmp_path):
+    """The router scores are fp32 (as in the reference); its weight is stored in fp32 even in a bf16 model, so
+    the bf16 checkpoint tensor is upcast once at load, not on every step (the K2.6 router is 384 x 7168)."""
+    tiny.write_k26(tmp_path, seed=5)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = M.Transformer(M.ModelArgs.from_config(tmp_path))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    M.load_checkpoint(model, str(tmp_path))
+    gate = model.layers[1].mlp.gate
+    assert gate.weight.dtype == torch.float32 and model.layers[1].self_attn.o_proj.weight.dtype == torch.bfloat16
+    from safetensors import safe_open
+    index = json.load(open(tmp_path / "model.safetensors.index.json"))
+    name = next(k for k in index["weight_map"] if k.endswith("layers.1.mlp.gate.weight"))
+    with safe_open(tmp_path / index["weight_map"][name], "pt") as f:
+        stored = f.get_tensor(name)
+    assert torch.equal(gate.weight, stored.float())          # the checkpoint's values, not rounded to bf16
+    x = torch.randn(3, gate.weight.shape[1], dtype=torch.bfloat16)
+    w, ids = gate(x)
+    assert w.dtype == torch.float32 and ids.shape == (3, model.args.num_experts_per_tok)
+
+
 def _corrupt(tmp_path, fn):
     """Rewrite the shard holding the tensor that fn selects."""
     from safetensors.torch import load_file, save_file
