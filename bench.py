@@ -46,6 +46,7 @@ file, plus FILE.png (accept length and tokens/s against the budget) when matplot
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -132,6 +133,11 @@ def median_time(fn, device: torch.device, graph: bool = False, iters: int = 10, 
     return statistics.median(times)
 
 
+def copy_size(a, device: torch.device) -> int:
+    """Bytes of the bandwidth copy: --copy-mb, else 2 GiB on a GPU (several times its L2), 128 MiB on a CPU."""
+    return a.copy_mb * 2**20 if a.copy_mb else (2 * 2**30 if device.type == "cuda" else 128 * 2**20)
+
+
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Copy bandwidth of this device in bytes/s: (bytes read + bytes written) / time of one big copy."""
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
@@ -174,9 +180,9 @@ def heldout_prompts(list_file: str, n: int = 0, chars: int = 320, seed: int = 0)
                 texts[rel] = f.read()
     if not texts:
         raise FileNotFoundError(f"{list_file}: none of its {len(rels)} held-out files exist under {root}")
-    rng, out = random.Random(seed), []
-    for i in range(n or len(texts)):
-        rel = list(texts)[i % len(texts)]
+    rng, out, names = random.Random(seed), [], list(texts)
+    for i in range(n or len(names)):
+        rel = names[i % len(names)]
         text = texts[rel]
         starts = [j + 1 for j, c in enumerate(text) if c == "\n" and 0.1 * len(text) <= j < 0.9 * len(text) - chars]
         start = rng.choice(starts) if starts else 0
@@ -447,21 +453,28 @@ def randomize_block_(block: torch.nn.Module, seed: int) -> None:
             p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
 
 
-def build_block(cfg: dict, layer_id: int, tp: int, device, dtype, seed: int) -> tuple[M.ModelArgs, M.Block]:
-    """One model.Block of `cfg` with rank 0's per-rank shapes at tensor parallel size tp, built with no
-    process group: set_tp(tp, 0) while the modules are created, then back to world size 1, so the forward
-    skips every all-reduce (model.py gates them on model.world_size at call time)."""
-    args = M.ModelArgs.from_config(M.k26_config(cfg, 32))
-    M.check_tp_divisibility(args, tp)
+@contextlib.contextmanager
+def per_rank_build(tp: int, device, dtype):
+    """Modules created inside get rank 0's shapes at tensor parallel size tp, in `dtype` on `device`, with no
+    process group: set_tp(tp, 0) while they are built, then back, so their forward runs at world size 1 and
+    skips every all-reduce (model.py and draft.py gate them on model.world_size at call time)."""
     old_tp, old_dtype = (M.world_size, M.rank), torch.get_default_dtype()
     M.set_tp(tp, 0)
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            block = M.Block(layer_id, args)
+            yield
     finally:
         M.set_tp(*old_tp)
         torch.set_default_dtype(old_dtype)
+
+
+def build_block(cfg: dict, layer_id: int, tp: int, device, dtype, seed: int) -> tuple[M.ModelArgs, M.Block]:
+    """One model.Block of `cfg` with rank 0's per-rank shapes at tensor parallel size tp (see per_rank_build)."""
+    args = M.ModelArgs.from_config(M.k26_config(cfg, 32))
+    M.check_tp_divisibility(args, tp)
+    with per_rank_build(tp, device, dtype):
+        block = M.Block(layer_id, args)
     block.requires_grad_(False)
     randomize_block_(block, seed)
     return args, block.eval()
@@ -707,7 +720,7 @@ def _free(device) -> None:
 def bench_layers(a, device, dtype) -> dict:
     scale = _scale(a, device)
     cfg = k26_text_config(scale)
-    nbytes = a.copy_mb * 2**20 if a.copy_mb else (2 * 2**30 if device.type == "cuda" else 128 * 2**20)
+    nbytes = copy_size(a, device)
     bw = copy_bandwidth(device, nbytes)
     print0(f"\n## layers: K2.6 {scale} shapes, TP{a.tp} per-rank, {str(dtype).replace('torch.', '')} on {device}")
     print0(f"copy bandwidth: {bw / 1e9:.1f} GB/s (read + written, {nbytes / 2**20:.0f} MiB device-to-device copy)")
@@ -753,7 +766,7 @@ def bench_moe_split(a, device, dtype, n_routings: int = 3) -> dict:
     E, D, I, K, tp = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"], \
         cfg["num_experts_per_tok"], a.tp
     assert E % tp == 0 and I % (tp * 32) == 0, f"E={E}, I={I} must split over tp={tp}"
-    bw = copy_bandwidth(device, a.copy_mb * 2**20 if a.copy_mb else (2 * 2**30 if device.type == "cuda" else 2**27))
+    bw = copy_bandwidth(device, copy_size(a, device))
     tp_w = kernels._rand_experts(E, D, I // tp, 32, dtype, device)
     ep_w = kernels._rand_experts(E // tp, D, I, 32, dtype, device)
     expert_bytes = sum(t[0].numel() * t.element_size() for t in ep_w)                 # one whole expert
@@ -861,18 +874,11 @@ def bench_draft(a, device, dtype) -> dict:
     import draft as Dr
     cfg = k26_draft_config(_scale(a, device))
     args = Dr.DraftArgs.from_config(cfg)
-    bw = copy_bandwidth(device, a.copy_mb * 2**20 if a.copy_mb else (2 * 2**30 if device.type == "cuda" else 2**27))
+    bw = copy_bandwidth(device, copy_size(a, device))
     rows = []
     for tp in sorted({1, a.tp}):
-        old_tp, old_dtype = (M.world_size, M.rank), torch.get_default_dtype()
-        M.set_tp(tp, 0)
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                drafter = Dr.DFlashDrafter(args)
-        finally:
-            M.set_tp(*old_tp)
-            torch.set_default_dtype(old_dtype)
+        with per_rank_build(tp, device, dtype):
+            drafter = Dr.DFlashDrafter(args)
         for p_ in drafter.parameters():
             p_.normal_(0.0, p_.shape[-1] ** -0.5) if p_.dim() > 1 else p_.fill_(1.0)
         nbytes = param_bytes(drafter)
