@@ -59,16 +59,6 @@ PRESETS = {
     # | target training (then steps // 10 quantization-aware steps) | drafter | evaluation.
     # bias_u: router-bias step of the load balancing. DeepSeek-V3 used 1e-3 over ~1e5 steps; ours are ~1e3
     # steps, so 10x faster (with 1e-3 the routing stays collapsed onto 2 experts for hundreds of steps).
-    # gpu: the cpu preset's small target with twice its context and more drafter training. A first trial on an H200
-    # with a 4x larger target (dim 256, 6 layers, 3000 x 32 x 256 tokens) overfit the ~2M-token corpus: held-out
-    # loss bottomed at 3.75 (step 1000) and ended at 4.39 while the training loss fell to 0.94.
-    "gpu": dict(bpe_vocab=4096,
-                dim=128, layers=4, heads=8, q_lora=64, kv_lora=32, nope=16, rope=16, v=16, dense_inter=384,
-                moe_inter=128, experts=8, topk=2, ctx=256,
-                batch=16, steps=2500, lr=3e-3, bias_u=1e-2,
-                draft_layers=3, draft_inter=384, draft_steps=1500, draft_batch=8, anchors=16, draft_lr=2e-3,
-                max_files=0, eval_windows=256, log_every=100, eval_prompts=4,
-                distill_rollouts=16384, rollout_batch=256, distill_steps=4000),
     "cpu": dict(bpe_vocab=4096,
                 dim=128, layers=4, heads=8, q_lora=64, kv_lora=32, nope=16, rope=16, v=16, dense_inter=384,
                 moe_inter=128, experts=8, topk=2, ctx=128,
@@ -84,6 +74,11 @@ PRESETS = {
                  max_files=24, eval_windows=16, log_every=10, eval_prompts=1,
                  distill_rollouts=64, distill_steps=5),
 }
+# gpu: the cpu preset's small target with twice its context and more drafter training. A first trial on an H200
+# with a 4x larger target (dim 256, 6 layers, 3000 x 32 x 256 tokens) overfit the ~2M-token corpus: held-out
+# loss bottomed at 3.75 (step 1000) and ended at 4.39 while the training loss fell to 0.94.
+PRESETS["gpu"] = dict(PRESETS["cpu"], ctx=256, draft_layers=3, draft_steps=1500, log_every=100,
+                      distill_rollouts=16384, rollout_batch=256, distill_steps=4000)
 
 # -----------------------------------------------------------------------------------------------
 # 1. Corpus: the running interpreter's standard library, minus test suites and generated tables.
