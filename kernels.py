@@ -478,6 +478,22 @@ def _time(fn):
     return eager, graph
 
 
+def _selftest_row(label: str, case, kernel, ref, tol: float) -> bool:
+    """One self-test row: case() -> (args, bytes read, extra column); kernel vs ref error, eager and graph
+    times, GB/s. An exception is reported on the row (and fails the test) instead of stopping the table."""
+    try:
+        args, nbytes, extra = case()
+        _, rel = _compare(kernel(*args), ref(*args))
+        eager, graph = _time(lambda: kernel(*args))
+        gbps = nbytes / (min(eager, graph) if graph == graph else eager) / 1e3
+        flag = "" if rel < tol else "  FAIL"
+        print(f"{label}{extra} {rel:>9.2e} {eager:>9.1f} {graph:>9.1f} {gbps:>7.0f}{flag}")
+        return rel < tol
+    except Exception as exc:
+        print(f"{label}  ERROR {type(exc).__name__}: {str(exc)[:200]}")
+        return False
+
+
 def gpu_selftest(tol=2e-2) -> bool:
     from tree import ancestor_mask     # the verify mask, built as tree.py builds it
     assert torch.cuda.is_available() and HAS_TRITON, "the GPU self-test needs CUDA and triton"
@@ -492,21 +508,13 @@ def gpu_selftest(tol=2e-2) -> bool:
         weights = _rand_experts(E, D, I, G, dtype, dev)
         expert_bytes = sum(w[0].numel() * w.element_size() for w in weights)
         for T in (1, 9, 17, 33, 64):
-            try:
+            def case():
                 x = torch.randn(T, D, device=dev, dtype=dtype)
                 topk_weights, topk_ids = torch.rand(T, E, device=dev).topk(K, dim=-1)
                 topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).float()
-                args = (x, topk_ids, topk_weights, *weights)
-                _, rel = _compare(fused_moe_w4a16(*args), fused_moe_w4a16_ref(*args))
-                eager, graph = _time(lambda: fused_moe_w4a16(*args))
                 n_exp = topk_ids.unique().numel()
-                gbps = n_exp * expert_bytes / (min(eager, graph) if graph == graph else eager) / 1e3
-                ok &= rel < tol
-                flag = "" if rel < tol else "  FAIL"
-                print(f"{I:>5} {T:>3} {n_exp:>7} {rel:>9.2e} {eager:>9.1f} {graph:>9.1f} {gbps:>7.0f}{flag}")
-            except Exception as exc:
-                ok = False
-                print(f"{I:>5} {T:>3}  ERROR {type(exc).__name__}: {str(exc)[:200]}")
+                return (x, topk_ids, topk_weights, *weights), n_exp * expert_bytes, f" {n_exp:>7}"
+            ok &= _selftest_row(f"{I:>5} {T:>3}", case, fused_moe_w4a16, fused_moe_w4a16_ref, tol)
         del weights
         torch.cuda.empty_cache()
 
@@ -516,24 +524,16 @@ def gpu_selftest(tol=2e-2) -> bool:
     for H in (8, 64):  # TP8 heads per rank, all heads
         for T in (1, 9, 17, 33, 64):
             for prefix in (0, 1, 1000, 32768):
-                try:
-                    S_max = prefix + T + 5
+                def case():
                     q_lat = torch.randn(1, T, H, R, device=dev, dtype=dtype)
                     q_pe = torch.randn(1, T, H, P, device=dev, dtype=dtype)
-                    cache = torch.randn(1, S_max, R + P, device=dev, dtype=dtype)
+                    cache = torch.randn(1, prefix + T + 5, R + P, device=dev, dtype=dtype)
                     prefix_len = torch.tensor([prefix], device=dev)
                     parents = torch.tensor([-1] + [int(torch.randint(0, t, ())) for t in range(1, T)])
                     tree_mask = ancestor_mask(parents)[None].to(dev)
-                    args = (q_lat, q_pe, cache, prefix_len, tree_mask, scale)
-                    _, rel = _compare(mla_tree_attention(*args), mla_tree_attention_ref(*args))
-                    eager, graph = _time(lambda: mla_tree_attention(*args))
-                    gbps = (prefix + T) * (R + P) * 2 / (min(eager, graph) if graph == graph else eager) / 1e3
-                    ok &= rel < tol
-                    flag = "" if rel < tol else "  FAIL"
-                    print(f"{H:>3} {T:>3} {prefix:>7} {rel:>9.2e} {eager:>9.1f} {graph:>9.1f} {gbps:>7.0f}{flag}")
-                except Exception as exc:
-                    ok = False
-                    print(f"{H:>3} {T:>3} {prefix:>7}  ERROR {type(exc).__name__}: {str(exc)[:200]}")
+                    return (q_lat, q_pe, cache, prefix_len, tree_mask, scale), (prefix + T) * (R + P) * 2, ""
+                ok &= _selftest_row(f"{H:>3} {T:>3} {prefix:>7}", case, mla_tree_attention, mla_tree_attention_ref,
+                                    tol)
     print("\nself-test", "PASSED" if ok else "FAILED")
     return ok
 
