@@ -229,17 +229,21 @@ def rope_inv_freq(a: DraftArgs) -> tuple[torch.Tensor, float]:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, amp: float, positions: torch.Tensor, dtype) -> tuple:
-    """positions [B, T] -> cos, sin [B, T, head_dim] (fp32 angles, cast like transformers)."""
+    """positions [B, T] -> cos, sin [B, T, head_dim] laid out for apply_rope: (cos, cos) and (-sin, +sin) of
+    the angles (fp32 angles, cast like transformers)."""
     ang = positions.float().unsqueeze(-1) * inv_freq                                     # [B, T, hd/2]
-    ang = torch.cat([ang, ang], dim=-1)                                                   # [B, T, hd]
-    return (ang.cos() * amp).to(dtype), (ang.sin() * amp).to(dtype)
+    cos, sin = ang.cos(), ang.sin()
+    if amp != 1.0:
+        cos, sin = cos * amp, sin * amp
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)                 # [B, T, hd] each
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, hd]: rotate the pairs (x[i], x[i + hd/2]) by cos/sin [B, T, hd]."""
+    """x [B, T, H, hd]: rotate the pairs (x1, x2) = (x[i], x[i + hd/2]) by cos/sin [B, T, hd] from rope_cos_sin:
+    x * (cos, cos) + (x2, x1) * (-sin, sin) = x * cos + rotate_half(x) * sin, bit for bit (the sign sits in sin)."""
     x1, x2 = x.chunk(2, dim=-1)
-    rot = torch.cat([-x2, x1], dim=-1)                                                    # rotate_half(x)
-    return x * cos.unsqueeze(2) + rot * sin.unsqueeze(2)
+    return x * cos.unsqueeze(2) + torch.cat([x2, x1], dim=-1) * sin.unsqueeze(2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,15 +294,13 @@ class Attention(nn.Module):
         k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd)), cos, sin)
         return k, self.v_proj(x).view(B, T, self.n_kv, self.hd)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask) -> torch.Tensor:
-        """x [B, bs, D]; ctx_k/ctx_v [B, S, n_kv, hd]; ctx_mask None or bool [B, S] (visible slots)."""
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        """x [B, bs, D]; ctx_k/ctx_v [B, S, n_kv, hd]; mask None (all visible) or bool [B, 1, 1, S+bs] (visible
+        context slots, then the block)."""
         B, bs, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(B, bs, self.n_heads, self.hd)), cos, sin)
         k, v = self.kv(x, cos, sin)
         k, v = torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1)               # [B, S+bs, n_kv, hd]
-        mask = None    # no mask at all: every block token sees every context slot and every block token
-        if ctx_mask is not None:
-            mask = torch.cat([ctx_mask, ctx_mask.new_ones(B, bs)], dim=1)[:, None, None]  # [B, 1, 1, S+bs]
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask, scale=self.hd ** -0.5, enable_gqa=True)
         y = self.o_proj(o.transpose(1, 2).flatten(2))                                     # [B, bs, D]
@@ -331,8 +333,8 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_mask)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -349,6 +351,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ctx_cache = None    # [n_layers, 2 (K, V), Bmax, max_ctx, local n_kv, hd], allocated by setup_cache
         self.inv_freq = None     # fp32 on the weights' device, set by setup_cache (so .to(bf16) can't round it)
+        self.ids = None          # 0, 1, 2, ...: slices of it are the step's slot and row numbers (no arange kernels)
         self.rope_amp = rope_inv_freq(args)[1]
 
     block_size = property(lambda self: self.args.block_size)
@@ -361,6 +364,7 @@ class DFlashDrafter(nn.Module):
         self.ctx_cache = torch.zeros(a.num_hidden_layers, 2, max_batch_size, max_ctx_len, n_kv,
                                      a.head_dim, dtype=w.dtype, device=w.device)
         self.inv_freq = rope_inv_freq(a)[0].to(w.device)                                  # [hd/2] fp32
+        self.ids = torch.arange(max(max_batch_size, max_ctx_len), device=w.device)
 
     def fuse(self, ctx_feats: torch.Tensor) -> torch.Tensor:
         """Context features [B, n, n_taps*D] -> hidden_norm(fc(.)) [B, n, D]. fc is row-parallel: every rank
@@ -394,19 +398,22 @@ class DFlashDrafter(nn.Module):
             if ctx_len + n_new > max_ctx:
                 raise ValueError(f"drafter context overflow: ctx_len {ctx_len} + {n_new} new rows > max_ctx_len {max_ctx}")
             start = torch.full((B,), ctx_len, dtype=torch.long, device=dev)               # [B]
-            S, ctx_mask = ctx_len + n_new, None           # eager: read only the live slots
+            S = ctx_len + n_new                           # eager: read only the live slots
         else:
             start = ctx_len.to(dev, torch.long)                                           # [B]
             S = max_ctx
         live = start + (n_new if n_valid is None else n_valid)                            # [B] context after append
-        if not isinstance(ctx_len, int):
-            ctx_mask = torch.arange(S, device=dev) < live[:, None]                        # [B, S]
-        ctx_pos = start[:, None] + torch.arange(n_new, device=dev)                        # [B, n_new] = cache slots
-        blk_pos = live[:, None] + torch.arange(bs, device=dev)                            # [B, bs]
-        rows = torch.arange(B, device=dev)[:, None]                                       # [B, 1]
+        ids, rows = self.ids, self.ids[:B, None]                                          # rows [B, 1]
+        mask = None    # eager: no mask at all, every block token sees every live context slot and the block
+        if not isinstance(ctx_len, int):   # the whole cache: its live slots and the block, built once for all layers
+            ctx_mask = ids[:S] < live[:, None]                                            # [B, S]
+            mask = torch.cat([ctx_mask, ctx_mask.new_ones(B, bs)], dim=1)[:, None, None]  # [B, 1, 1, S+bs]
+        # rope positions of the new context rows (= their cache slots) and of the block, in one call
+        pos = torch.cat([start[:, None] + ids[:n_new], live[:, None] + ids[:bs]], dim=1)  # [B, n_new+bs]
+        ctx_pos = pos[:, :n_new]                                                          # [B, n_new]
         dtype = self.fc.weight.dtype
-        cos_c, sin_c = rope_cos_sin(self.inv_freq, self.rope_amp, ctx_pos, dtype)
-        cos_b, sin_b = rope_cos_sin(self.inv_freq, self.rope_amp, blk_pos, dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, self.rope_amp, pos, dtype)
+        (cos_c, cos_b), (sin_c, sin_b) = cos.split([n_new, bs], 1), sin.split([n_new, bs], 1)
         f = self.fuse(ctx_feats)                                                          # [B, n_new, D]
         h = block_embeds.to(dtype)
         for i, layer in enumerate(self.layers):
@@ -415,7 +422,7 @@ class DFlashDrafter(nn.Module):
             k, v = layer.self_attn.kv(f, cos_c, sin_c)
             k_cache[rows, ctx_pos], v_cache[rows, ctx_pos] = k, v
             # 2) the block attends over all cached context + itself; its own K/V are not stored
-            h = layer(h, cos_b, sin_b, k_cache[:B, :S], v_cache[:B, :S], ctx_mask)
+            h = layer(h, cos_b, sin_b, k_cache[:B, :S], v_cache[:B, :S], mask)
         return self.norm(h)
 
     @torch.no_grad()

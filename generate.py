@@ -252,7 +252,7 @@ class StaticStep:
         z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
         B = batch
         self.bonus, self.start, self.ctx_len, self.n_ctx = z(B), z(B), z(B), z(B)
-        self.active = torch.ones(B, dtype=torch.long, device=dev)                     # 1: still decoding
+        self.active = torch.ones(B, dtype=torch.bool, device=dev)                     # True: still decoding
         width = len(self.taps) * model.args.hidden_size
         self.ctx_feats = torch.zeros(B, bs, width, dtype=model.embed_tokens.weight.dtype, device=dev)
         self.out = z(B, self.N + 1)                # per row [accept_len, committed tokens...]: one host copy
@@ -265,15 +265,13 @@ class StaticStep:
         self.start.copy_(torch.as_tensor(start).view(-1))
         self.ctx_len.copy_(torch.as_tensor(ctx_len).view(-1))
         self.n_ctx.zero_()
-        self.active.fill_(1)
+        self.active.fill_(True)
 
-    def _advance(self, accept_len, bonus, out_tokens) -> None:
-        """Committed this step: accept_len tokens per row; finished rows keep their state."""
-        live = self.active.bool()
-        self.out[:, 0] = accept_len * self.active
-        self.out[:, 1:] = out_tokens
-        self.start += accept_len * self.active
-        self.bonus.copy_(torch.where(live, bonus, self.bonus))
+    def _advance(self, n, bonus) -> None:
+        """Committed this step: n tokens per row (0 for finished rows, which keep their bonus too)."""
+        self.out[:, 0] = n
+        self.start += n
+        torch.where(self.active, bonus, self.bonus, out=self.bonus)       # in place: one kernel, no copy
 
     def _spec_step(self) -> None:
         m, d, temperature, top_k, top_p = self.model, self.drafter, *self.sampling
@@ -288,21 +286,23 @@ class StaticStep:
         logits, hidden = m(ids, start_pos=self.start, positions=positions, tree_mask=mask, hidden_layers=self.taps)
         # 4. accept
         accepted, accept_len, bonus = V.accept(tr, V.sample(logits, temperature, top_k, top_p))
+        n = accept_len * self.active                  # [B] tokens committed (finished rows: 0)
         # 5. commit: KV always copied (fixed shapes; finished rows move nothing); the path's hidden states
         #    become the next context rows
-        V.commit_kv(m.kv_cache, self.start, accepted, accept_len * self.active)
+        V.commit_kv(m.kv_cache, self.start, accepted, n)
         k = min(self.N, d.block_size)
-        self.ctx_feats[:, :k] = hidden.gather(1, accepted[:, :k, None].expand(-1, -1, hidden.shape[-1]))
-        self.n_ctx.copy_(accept_len * self.active)
-        # committed tokens: the path's drafted tokens (nodes 1..len-1), then the bonus
-        path_tokens = torch.cat([tr.tokens.gather(1, accepted)[:, 1:], bonus[:, None]], dim=1)   # [B, N]
-        j = torch.arange(self.N, device=bonus.device).view(1, -1)
-        self._advance(accept_len, bonus, torch.where(j == (accept_len - 1)[:, None], bonus[:, None], path_tokens))
+        torch.gather(hidden, 1, accepted[:, :k, None].expand(-1, -1, hidden.shape[-1]), out=self.ctx_feats[:, :k])
+        self.n_ctx.copy_(n)
+        # committed tokens: the path's drafted tokens (nodes 1..len-1) at out[:, 1:len], then the bonus
+        self.out[:, 1:self.N] = tr.tokens.gather(1, accepted[:, 1:])
+        self.out.scatter_(1, accept_len[:, None], bonus[:, None])
+        self._advance(n, bonus)
 
     def _ar_step(self) -> None:
         logits = self.model(self.bonus.view(-1, 1), start_pos=self.start)
         tok = V.sample(logits[:, -1], *self.sampling)
-        self._advance(torch.ones_like(tok), tok, tok[:, None])
+        self.out[:, 1] = tok
+        self._advance(self.active, tok)               # one token per row still decoding
 
     def _capture(self) -> None:
         """Warm up on a side stream (kernels compiled, allocator settled), restore the step's inputs, capture."""
@@ -374,7 +374,7 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
         for b in range(B):   # a row whose next step would not fit in the cache stops here
             if not done[b] and start[b] + runner.N > max_seq_len:
                 done[b] = True
-        runner.active.copy_(torch.tensor([0 if d else 1 for d in done], device=dev))
+        runner.active.copy_(torch.tensor([not d for d in done], device=dev))
         if all(done):
             break
         for b, new in enumerate(runner()):

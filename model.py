@@ -403,17 +403,24 @@ def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, attn_factor: float, positions: torch.Tensor, dtype) -> tuple:
-    """positions [B, T] -> cos, sin [B, T, rope_dim/2] (computed in fp32, cast like transformers)."""
+    """positions [B, T] -> cos, sin [B, T, rope_dim] laid out for apply_rope: per pair (cos, cos) and
+    (-sin, +sin) of its angle (computed in fp32, cast like transformers). Once per forward, for every layer."""
     ang = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)   # [B, T, dim/2]
-    return (ang.cos() * attn_factor).to(dtype), (ang.sin() * attn_factor).to(dtype)
+    cos, sin = ang.cos(), ang.sin()
+    if attn_factor != 1.0:
+        cos, sin = cos * attn_factor, sin * attn_factor
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    return torch.stack((cos, cos), dim=-1).flatten(-2), torch.stack((-sin, sin), dim=-1).flatten(-2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs of x [B, T, (H,) P] by the angles in cos/sin [B, T, P/2]."""
+    """Rotate adjacent pairs (x1, x2) = (x[2i], x[2i+1]) of x [B, T, (H,) P] by the angles in cos/sin
+    [B, T, P] from rope_cos_sin: x * (cos, cos) + (x2, x1) * (-sin, sin) = (x1 cos - x2 sin, x2 cos + x1 sin),
+    bit for bit (the sign sits in sin), in four elementwise kernels."""
     if x.dim() == 4:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)                  # (x2, x1) per pair
+    return x * cos + swapped * sin
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,9 +448,10 @@ class MLA(nn.Module):
             # transformers: the YaRN mscale enters the softmax scale squared (q and k each carry one factor)
             self.softmax_scale *= yarn_mscale(args.rope_factor, args.mscale_all_dim) ** 2
 
-    def forward(self, x, cos, sin, cache=None, start_pos=None, tree_mask=None, absorb=False):
+    def forward(self, x, cos, sin, cache=None, start_pos=None, tree_mask=None, absorb=False, slots=None):
         """x [B, T, D]. cache: this layer's [Bmax, S, R+P] slice or None (no cache: causal attention over x).
-        start_pos: int or LongTensor [B] = slot of the first new token. tree_mask [B, T, T] bool or None (causal)."""
+        start_pos: int or LongTensor [B] = slot of the first new token. tree_mask [B, T, T] bool or None (causal).
+        slots [B, T]: the new tokens' cache slots, start_pos + [0, T) (Transformer computes them once)."""
         B, T, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, self.n_heads, -1)   # [B, T, H, nope+rope]
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
@@ -456,8 +464,9 @@ class MLA(nn.Module):
             mask = tree_mask if tree_mask is not None else _causal(T, x.device).expand(B, T, T)
             o = self._naive(q_nope, q_pe, latent, mask)
         else:
-            slots = _slots(start_pos, B, T, x.device)                                          # [B, T]
-            cache[torch.arange(B, device=x.device)[:, None], slots] = latent.to(cache.dtype)
+            if slots is None:
+                slots = _slots(start_pos, B, T, x.device)                                      # [B, T]
+            cache[:B].scatter_(1, slots[:, :, None].expand(B, T, latent.shape[-1]), latent.to(cache.dtype))
             if tree_mask is None:
                 tree_mask = _causal(T, x.device).expand(B, T, T)
             if absorb:
@@ -643,8 +652,8 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, start_pos, tree_mask, absorb):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos, tree_mask, absorb)
+    def forward(self, x, cos, sin, cache, start_pos, tree_mask, absorb, slots=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos, tree_mask, absorb, slots)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -689,8 +698,9 @@ class Transformer(nn.Module):
         cache_row: the batch uses cache rows cache_row .. cache_row+B-1 (prefilling one sequence of a batch).
         """
         B, T = tokens.shape
+        slots = None if start_pos is None else _slots(start_pos, B, T, tokens.device)       # [B, T]
         if positions is None:
-            positions = _slots(0 if start_pos is None else start_pos, B, T, tokens.device)
+            positions = _slots(0, B, T, tokens.device) if slots is None else slots
         if start_pos is not None:
             if self.kv_cache is None:
                 raise RuntimeError("call setup_cache(max_batch_size, max_seq_len) before a cached forward")
@@ -701,12 +711,14 @@ class Transformer(nn.Module):
             # does; so does a tensor start_pos (graph-captured steps: fixed shapes). Long prefills go naive.
             absorb = start_pos is not None and (T <= ABSORB_MAX_T or tree_mask is not None
                                                 or not isinstance(start_pos, int))
+        if tree_mask is None:      # causal; built once here rather than in every layer
+            tree_mask = _causal(T, tokens.device).expand(B, T, T)
         h = self.embed_tokens(tokens)                                                       # [B, T, D]
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_attn_factor, positions, h.dtype)
         taps = []
         for i, layer in enumerate(self.layers):
             cache = None if start_pos is None else self.kv_cache[i, cache_row:]
-            h = layer(h, cos, sin, cache, start_pos, tree_mask, absorb)
+            h = layer(h, cos, sin, cache, start_pos, tree_mask, absorb, slots)
             if debug:
                 check_finite(h, f"layer {i} output")
             if i in hidden_layers:

@@ -32,9 +32,10 @@ position); verify simply discards its output. Whether a node is padding depends 
 API: build_tree(logits [L, V], root, B) / build_tree_batched(logits [b, L, V], roots [b], B)
 -> Tree (fields [B+1], or [b, B+1] batched); build_tree_ref (the heap, for tests and teaching);
 chain_tree(_batched) (the DFlash chain in the same format); print_tree / format_tree.
-Measured on one H200 (Kimi vocab V=163840, L=7, b=1): build_tree_batched replayed as a CUDA
-graph takes 0.54 ms at B=8, 0.63 ms at B=16, 0.74 ms at B=64 (0.2 ms of it is the vocab sort);
-eager it is launch-bound at ~2.9 ms. NaN logits are not supported.
+build_tree_batched is launch-bound at small budgets: 65 aten ops (~ GPU kernels) at B=8, L=7, six per
+depth. Measured on one H200 (Kimi vocab V=163840, L=7, b=1) before rank tuples were packed into integer
+keys (then 164 ops): replayed as a CUDA graph 0.54 ms at B=8, 0.63 ms at B=16, 0.74 ms at B=64 (0.2 ms
+of it is the vocab sort); eager ~2.9 ms. NaN logits are not supported.
 """
 from __future__ import annotations
 
@@ -118,24 +119,14 @@ def build_tree_ref(draft_logits: torch.Tensor, root: int | torch.Tensor, budget:
 # -----------------------------------------------------------------------------
 # Tensor builder: same tree, fixed shapes, no host round trip (CUDA-graph friendly).
 
-def _lex_order(paths: torch.Tensor, k: int) -> torch.Tensor:
-    """Permutation that sorts rank tuples like Python tuples (a proper prefix first).
+def _lex_order(keys: torch.Tensor) -> torch.Tensor:
+    """Permutation that sorts packed rank tuples [b, M, W] like Python tuples (see _Plan.digits).
 
-    paths [b, M, L] holds each tuple padded with -1. Padding sorts below every rank, so a prefix
-    sorts before its extensions, and tuples of different lengths otherwise compare at their first
-    differing rank. LSD radix sort: stable sorts from the last column to the first; several
-    columns are packed into one int64 word per pass (digit = rank + 1 in [0, k]).
+    LSD radix sort: one stable sort per word, from the last (least significant) word to word 0.
     """
-    b, M, L = paths.shape
-    digits = paths + 1                                                 # [b, M, L]
-    bits = max(1, k.bit_length())
-    per_word = max(1, 62 // bits)                                      # stay below 2^62: no sign bit
-    order = torch.arange(M, device=paths.device).expand(b, M)         # [b, M]
-    for hi in range(L, 0, -per_word):
-        word = torch.zeros(b, M, dtype=torch.long, device=paths.device)  # [b, M]
-        for c in range(max(0, hi - per_word), hi):  # first column = most significant digit
-            word = (word << bits) | digits[:, :, c]
-        order = order.gather(1, word.gather(1, order).sort(dim=1, stable=True).indices)
+    order = keys[..., -1].sort(dim=1, stable=True).indices                        # [b, M]
+    for w in range(keys.shape[-1] - 2, -1, -1):
+        order = order.gather(1, keys[..., w].gather(1, order).sort(dim=1, stable=True).indices)
     return order
 
 
@@ -175,6 +166,59 @@ def _assemble(roots: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, dep: to
     return Tree(tokens, parents, depths, scores, valid, _ancestor_mask(parents, depth_limit))
 
 
+@dataclass
+class _Plan:
+    """What the expansion looks like for one (B, K, L): survivor counts and constant tensors, built once
+    per shape on the device instead of on every step. Candidates are numbered root first (id 0), then
+    depth 1's survivors, depth 2's, ...: the per-candidate tables below are laid out that way ([1+M])."""
+    sizes: list[int]            # survivors per depth: all K children of the root, then min(B, previous * K)
+    digits: torch.Tensor        # [L, K, W] int64: rank r at depth d+1 as the digit r+1, shifted into its word
+    prefix: torch.Tensor        # [L+1, W] int64: the bits of a tuple's first e digits (ancestor test)
+    head_key: torch.Tensor      # [1, 1+K, W] the root's key (0: empty tuple) and depth 1's
+    head_keep: torch.Tensor     # [1, 1+K] the root and depth 1 as "kept" indices (0, then ranks 0..K-1)
+    zero: torch.Tensor          # [1, 1] float32: the root's score
+    depth: torch.Tensor         # [1+M] int64
+    parent_base: torch.Tensor   # [1+M] id of the first candidate one depth up (root: id M+1, a -1 slot)
+    token_base: torch.Tensor    # [1+M] offset of the candidate's depth in [root x K, tok[:, 0], tok[:, 1], ...]
+    node_ids: torch.Tensor      # [n+1] 0..n, n = min(B, M) real non-root nodes
+
+
+_PLANS: dict = {}   # (B, K, L, device) -> _Plan; never evicted: captured CUDA graphs keep reading these
+
+
+def _plan(B: int, K: int, L: int, device: torch.device) -> _Plan:
+    """The cached _Plan of (B, K, L) on `device` (host work, once per shape: before any graph capture)."""
+    if (B, K, L, device) in _PLANS:
+        return _PLANS[B, K, L, device]
+    sizes = [K]
+    for _ in range(1, L):
+        sizes.append(min(B, sizes[-1] * K))
+    M, first = sum(sizes), [1 + sum(sizes[:d]) for d in range(L)]   # first: id of depth d+1's first candidate
+    # a rank tuple (r_1..r_d) packed as digits r_i+1 (0 = absent, so a prefix sorts first), most significant
+    # first, `per` digits of `bits` bits to an int64 word (below 2^62: no sign bit), W words
+    bits = K.bit_length()
+    per = max(1, 62 // bits)
+    W = -(-L // per)
+    digits = torch.zeros(L, K, W, dtype=torch.long)                                      # [L, K, W]
+    prefix = torch.zeros(L + 1, W, dtype=torch.long)                                     # [L+1, W]
+    for d in range(L):
+        shift = bits * (per - 1 - d % per)
+        digits[d, :, d // per] = (torch.arange(K) + 1) << shift
+        prefix[d + 1:, d // per] |= ((1 << bits) - 1) << shift
+    depth, parent_base, token_base = [0], [M + 1], [0]
+    for d, n_d in enumerate(sizes):
+        depth += [d + 1] * n_d
+        parent_base += [first[d - 1] if d else 0] * n_d
+        token_base += [(1 + d) * K] * n_d
+    head_key = torch.cat([torch.zeros(1, W, dtype=torch.long), digits[0]])[None]         # [1, 1+K, W]
+    head_keep = torch.tensor([0] + list(range(K)))[None]                                 # [1, 1+K]
+    on = lambda t: torch.as_tensor(t).to(device)
+    _PLANS[B, K, L, device] = p = _Plan(
+        sizes, on(digits), on(prefix), on(head_key), on(head_keep), on(torch.zeros(1, 1)), on(depth),
+        on(parent_base), on(token_base), on(list(range(min(B, M) + 1))))
+    return p
+
+
 def build_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int],
                        budget: int) -> Tree:
     """[b, L, V] logits, [b] roots -> Tree with fields [b, B+1] (mask [b, B+1, B+1]).
@@ -193,49 +237,64 @@ def build_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequenc
         empty = torch.zeros(bsz, 0, dtype=torch.long, device=dev)  # [b, 0]
         return _assemble(roots, empty, empty, empty, empty.float(), B, L)
     lp, tok = _rank_tokens(draft_logits, K)  # [b, L, K]
+    p = _plan(B, K, L, dev)
+    W = p.digits.shape[-1]
 
     # 1) Per-depth expansion. Each depth's survivors are kept in lexicographic order of their
     # rank tuples, so children laid out as (parent, rank) row-major are lexicographic too, and
     # a stable sort by score puts them in key order: ties fall back to the tuple order for free.
     # (A frontier kept in *score* order would break ties between children of parents with
     # different scores the wrong way: see test_frontier_lex_order_regression.)
-    f_score = torch.zeros(bsz, 1, dtype=torch.float32, device=dev)   # [b, 1] the root
-    f_path = torch.zeros(bsz, 1, 0, dtype=torch.long, device=dev)    # [b, 1, 0] empty tuple
-    scores, tokens, parents, depths, paths = [], [], [], [], []
-    prev_start, total = -1, 0  # candidate id of the previous depth's first survivor; count so far
-    for d in range(L):
-        n_prev = f_score.shape[1]
+    # Depth 1 keeps all K children of the root, which are already in key order. Per candidate:
+    # score, packed rank tuple (key) and index among its parents' children (keep = parent * K + rank).
+    # (0 + logp like every builder: it also turns a -0.0 logp into the reference's 0.0)
+    f_score, f_key = p.zero + lp[:, 0], p.digits[0].expand(bsz, K, W)   # [b, K], [b, K, W]
+    scores = [p.zero.expand(bsz, 1), f_score]                          # the root, depth 1, ...
+    keys, keeps = [p.head_key.expand(bsz, -1, W)], [p.head_keep.expand(bsz, -1)]    # the root and depth 1, ...
+    for d in range(1, L):
         cand = (f_score[:, :, None] + lp[:, d, None, :]).flatten(1)  # [b, n_prev*K] f32, lex order
-        n_keep = min(B, n_prev * K)
-        best = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :n_keep]  # key order
-        keep = best.sort(dim=1).values                         # [b, n_keep] back to lex order
-        parent, rank = keep // K, keep % K                     # [b, n_keep] each
-        f_score = cand.gather(1, keep)                         # [b, n_keep]
-        f_path = torch.cat([f_path.gather(1, parent[:, :, None].expand(bsz, n_keep, d)),
-                            rank[:, :, None]], dim=2)          # [b, n_keep, d+1]
+        best = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :p.sizes[d]]  # key order
+        keep = best.sort(dim=1).values                               # [b, n_keep] back to lex order
+        f_score = cand.gather(1, keep)                               # [b, n_keep]
+        f_key = (f_key[:, :, None] + p.digits[d]).flatten(1, 2).gather(1, keep[:, :, None].expand(-1, -1, W))
         scores.append(f_score)
-        tokens.append(tok[:, d].gather(1, rank))
-        parents.append(parent + prev_start if d > 0 else torch.full_like(parent, -1))  # -1: root
-        depths.append(torch.full_like(parent, d + 1))
-        paths.append(F.pad(f_path, (0, L - d - 1), value=-1))  # [b, n_keep, L]
-        prev_start, total = total, total + n_keep
-    score, tok_all = torch.cat(scores, 1), torch.cat(tokens, 1)  # [b, M] each
-    par_all, dep_all = torch.cat(parents, 1), torch.cat(depths, 1)  # [b, M] each
-    M = score.shape[1]
-    n = min(B, M)  # fewer than B only when V is tiny: static, so padding is shape-determined
+        keys.append(f_key)
+        keeps.append(keep)
+    score, key, keep = torch.cat(scores, 1), torch.cat(keys, 1), torch.cat(keeps, 1)   # [b, 1+M](, W)
 
-    # 2) Merge the depths: stable sort by score on top of the global lexicographic order
-    lex = _lex_order(torch.cat(paths, 1), K)                                         # [b, M]
-    by_key = torch.sort(score.gather(1, lex), dim=1, descending=True, stable=True).indices
-    sel = lex.gather(1, by_key[:, :n])  # [b, n] candidate ids in node order 1..n
+    # 2) Merge the depths: stable sort by score on top of the global lexicographic order. The root
+    # (score 0, empty tuple) comes first; fewer than B real nodes only when V is tiny (static shapes).
+    lex = _lex_order(key)                                                            # [b, 1+M]
+    n = p.node_ids.shape[0]                                                          # 1 + min(B, M)
+    by_key = torch.sort(score.gather(1, lex), dim=1, descending=True, stable=True).indices[:, :n]
+    sel = lex.gather(1, by_key)                       # [b, n] candidate ids in node order 0..n-1
 
-    # 3) Relabel candidate ids to node indices; every selected node's parent is selected too
-    node_of = torch.zeros(bsz, M, dtype=torch.long, device=dev).scatter_(
-        1, sel, torch.arange(1, n + 1, device=dev).expand(bsz, n))                   # [b, M]
-    par_c = par_all.gather(1, sel)                                                   # [b, n]
-    par = torch.where(par_c >= 0, node_of.gather(1, par_c.clamp(min=0)), 0)          # [b, n]
-    return _assemble(roots, tok_all.gather(1, sel), par, dep_all.gather(1, sel),
-                     score.gather(1, sel), B, L)
+    # 3) Node fields. Parents: candidate id -> node index (every selected node's parent is selected);
+    # the extra last slot is the root's parent, -1.
+    node_of = torch.full((bsz, key.shape[1] + 1), -1, device=dev).scatter_(
+        1, sel, p.node_ids.expand(bsz, n))                                          # [b, 2+M]
+    parents = node_of.gather(1, (keep // K + p.parent_base).gather(1, sel))          # [b, n]
+    tok_all = torch.cat([roots[:, None, None].expand(bsz, 1, K), tok], 1).flatten(1)  # [b, (1+L)*K]
+    tokens = tok_all.gather(1, (keep % K + p.token_base).gather(1, sel))             # [b, n]
+    depths = p.depth[sel]                                                            # [b, n]
+    # ancestor mask: j is an ancestor of i (or i) iff i's rank tuple starts with j's, i.e. i's key
+    # with everything past depth_j cleared equals j's key
+    node_key = key.gather(1, sel[:, :, None].expand(-1, -1, W))                     # [b, n, W]
+    mask = ((node_key[:, :, None] & p.prefix[depths][:, None]) == node_key[:, None]).all(-1)  # [b, n, n]
+    valid = torch.ones(bsz, n, dtype=torch.bool, device=dev)                         # [b, n]
+    return _pad(Tree(tokens, parents, depths, score.gather(1, sel), valid, mask), B + 1)
+
+
+def _pad(tr: Tree, N: int) -> Tree:
+    """Append padding nodes up to N (see the module doc); a no-op unless V is tiny (n < N)."""
+    b, n = tr.tokens.shape
+    if n == N:
+        return tr
+    pad = lambda t, v: F.pad(t, (0, N - n), value=v)                                 # [b, N]
+    eye = torch.eye(N, dtype=torch.bool, device=tr.tokens.device)                    # [N, N]
+    return Tree(torch.cat([tr.tokens, tr.tokens[:, :1].expand(b, N - n)], 1), pad(tr.parents, -1),
+                pad(tr.depths, 0), pad(tr.scores, float("-inf")), pad(tr.valid, False),
+                F.pad(tr.ancestor_mask, (0, N - n, 0, N - n)) | eye)
 
 
 def build_tree(draft_logits: torch.Tensor, root: int | torch.Tensor, budget: int) -> Tree:

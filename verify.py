@@ -59,28 +59,20 @@ def accept(tree: Tree, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch
     counting the bonus), bonus [B] (the target's token after the deepest accepted node).
     """
     B, N = tree.tokens.shape
-    parent = tree.parents.clamp(min=0)
-    parent_target = target_tokens.gather(1, parent)                                          # [B, N]
+    parent_target = target_tokens.gather(1, tree.parents.clamp(min=0))                       # [B, N]
     match = (tree.tokens == parent_target) & tree.valid                                      # [B, N]
-    match[:, 0] = True                                                                       # the root is committed
-    # a node is on an accepted path iff none of its ancestors (incl. itself) failed to match
-    ok = ~(tree.ancestor_mask & ~match.unsqueeze(1)).any(dim=-1)                             # [B, N]
+    # a node is on an accepted path iff every node of its path below the root (always committed) matches;
+    # on bools, mask <= match reads "ancestor implies match"
+    ok = (tree.ancestor_mask[:, :, 1:] <= match[:, None, 1:]).all(dim=-1)                    # [B, N]
     # siblings carry distinct tokens, so at most one child of a node matches: the ok nodes form one chain
-    depth_if_ok = torch.where(ok, tree.depths, torch.full_like(tree.depths, -1))
-    deepest = depth_if_ok.argmax(dim=-1)                                                     # [B]
-    accept_len = tree.depths.gather(1, deepest[:, None]).squeeze(1) + 1                      # [B]
-    on_path = tree.ancestor_mask.gather(1, deepest.view(B, 1, 1).expand(B, 1, N)).squeeze(1)  # [B, N]
-    # scatter each path node to its depth; padding slots repeat the deepest node
-    slot = torch.where(on_path, tree.depths, torch.full_like(tree.depths, N))                # [B, N]
-    accepted = deepest.view(B, 1).repeat(1, N + 1)                                           # [B, N+1]
-    node_ids = torch.arange(N, device=tree.tokens.device).expand(B, N)
-    accepted.scatter_(1, slot, node_ids)
-    accepted = accepted[:, :N]
-    # entries past accept_len: the scatter wrote nothing there (or the dump column); force the deepest node
-    past = torch.arange(N, device=accepted.device).view(1, N) >= accept_len.view(B, 1)
-    accepted = torch.where(past, deepest.view(B, 1), accepted)
-    bonus = target_tokens.gather(1, deepest[:, None]).squeeze(1)
-    return accepted, accept_len, bonus
+    accept_len = ok.sum(dim=-1)                                                              # [B]
+    deepest = torch.where(ok, tree.depths, -1).argmax(dim=-1, keepdim=True)                  # [B, 1]
+    # scatter each path node to its depth (the other nodes to a dump column N); the rest repeat the deepest
+    accepted = deepest.repeat(1, N + 1)                                                      # [B, N+1]
+    node_ids = torch.arange(N, device=tree.tokens.device).expand(B, N)                       # [B, N]
+    accepted.scatter_(1, torch.where(ok, tree.depths, N), node_ids)
+    bonus = target_tokens.gather(1, deepest).squeeze(1)                                      # [B]
+    return accepted[:, :N], accept_len, bonus
 
 
 def commit_kv(kv_cache: torch.Tensor, start_pos: torch.Tensor | int, accepted: torch.Tensor,
@@ -92,13 +84,12 @@ def commit_kv(kv_cache: torch.Tensor, start_pos: torch.Tensor | int, accepted: t
     to, and each saw only its ancestors, i.e. causal attention along the path. Fixed shapes: slots past
     accept_len copy onto themselves, so the same kernel serves every tree and can be graph-captured."""
     B, N = accepted.shape
-    dev = accepted.device
-    start = torch.as_tensor(start_pos, device=dev).view(-1, 1).expand(B, 1)
-    j = torch.arange(N, device=dev).view(1, N)
-    dst = start + j                                                                          # [B, N]
-    src = torch.where(j < accept_len.view(B, 1), start + accepted, dst)                      # [B, N]
-    rows = torch.arange(B, device=dev).view(B, 1)
-    kv_cache[:, rows, dst] = kv_cache[:, rows, src]     # the right side is gathered first: no aliasing
+    start = torch.as_tensor(start_pos, device=accepted.device).view(-1, 1).expand(B, 1)     # [B, 1]
+    j = torch.arange(N, device=accepted.device)                                              # [N]
+    src = start + torch.where(j < accept_len.view(B, 1), accepted, j)                        # [B, N]
+    kv = kv_cache[:, :B]                                                                     # [n_layers, B, S, C]
+    slots = lambda t: t[None, :, :, None].expand(kv.shape[0], B, N, kv.shape[3])             # [n_layers, B, N, C]
+    kv.scatter_(2, slots(start + j), kv.gather(2, slots(src)))    # gathered first: no aliasing
 
 
 def path_is_contiguous(accepted: list[int], accept_len: int) -> bool:
