@@ -12,6 +12,7 @@ use_triton(device) which one to call; `--no-triton` sets FORCE_REF and forces th
 Tests (CPU, kernels run under TRITON_INTERPRET=1 in a subprocess):  python -m pytest -q tests/test_kernels.py
 GPU self-test (bf16 at K2.6 shapes, vs the refs, timings):          python kernels.py
 """
+import os
 import sys
 import types
 
@@ -77,35 +78,47 @@ def dequant_int4_ref(packed: torch.Tensor, scale: torch.Tensor, group_size: int 
 
 # ----------------------------------------------------------------------------------------------------------
 # Fused MoE, INT4 weights x 16-bit activations (W4A16).
-# Idea: vLLM's fused_moe_kernel_gptq_awq (dequantize INT4 tiles in registers, feed tl.dot), grouped by expert like
-# DeepSeek's MoE loop, but with fixed shapes: (token, k) pairs are sorted by expert on the GPU, program `slot` of
-# the grid serves the slot-th *used* expert and streams that expert's weights once for all its tokens.
-# Two Triton launches (plus a few small torch ops around them):
-#   1. gate/up: partial sums over SPLIT_K slices of D -> gu [SPLIT_K, T*K, 2I] fp32. At decode only 8 experts are
-#      live, and splitting D is what gives the GPU enough programs to pull the weights at full bandwidth.
-#      Then h = silu(sum gate) * (sum up) [T*K, I] fp32 in torch (SwiGLU needs the complete sums).
-#   2. down: down proj * routing weight -> y [T*K, D] fp32, then summed over k in torch.
-# Per-pair and per-split buffers instead of fp32 atomics: the result is deterministic (same bits every run, which
-# greedy-spec == greedy-AR tests rely on), and the extra traffic (y: T*K*D*4 B, 230 KB at T=1) is small next to
-# the expert weights (~3 MB per expert at TP8).
+# Both paths group the T*K (token, k) pairs by expert on the GPU with fixed-shape ops (sort + searchsorted, no host
+# sync, CUDA-graph capturable); program `slot` of every grid serves the slot-th *used* expert and streams that expert's
+# weights once for all its pairs. A one-program-per-slot launch (_moe_slots_kernel) finds the slots first.
+#
+# Decode / verify (T <= MOE_GEMV_MAX_T, 16-bit activations): a GEMV, bandwidth-bound, ~1 pair per expert.
+#   The whole cost is streaming INT4 words from HBM and turning them into products fast enough to keep up. Three things
+#   got it from 19% to ~70% of the H200's copy bandwidth (kernels.py self-test, docs/BENCHMARKS.md):
+#   - no tl.dot and no [BLOCK_N, BLOCK_K] dequantized tile: each int32 word is reduced against the 8 activations it
+#     multiplies, where it was loaded (a tl.dot needs the tile reshaped and moved through shared memory);
+#   - row strides passed as arguments, so the compiler proves 16-byte alignment and issues 128-bit loads;
+#   - Marlin's dequantization trick in 19 PTX instructions per word (_DEQUANT_DOT_PTX): `lop3` ORs two nibbles into
+#     the mantissas of two fp16 1024.0s at once, one f16x2 subtract / fma turns them into q = u - 8 exactly, and
+#     four f16x2 fmas form the 8 products. No int->float conversion instruction (quarter rate) is left.
+#   The activations are packed for that dot by _moe_prep_f16: plane p holds f16x2 (x[8w+p], x[8w+p+4]) - the nibble
+#   order the lop3 masks produce - scaled by a power of two per row so that max |x| is in [1, 2): fp16 cannot
+#   overflow (an activation of 1e5 is fine) and the scale is undone exactly on the fp32 output. fp16 keeps 11 bits,
+#   more than the bf16 activations carry, so the only rounding is the f16x2 accumulation of 4 products per half.
+#   Stage 1 (gate/up) sums SPLIT_K slices of D when too few experts are live to fill the GPU (TP8 decode);
+#   _moe_prep_f16 then sums the slices, applies SwiGLU and packs h for stage 2 (down), which also applies the routing
+#   weight. Per-pair buffers instead of atomics: deterministic, the same bits every run.
+# Prefill (T > MOE_GEMV_MAX_T) and fp32 activations: tiles of BLOCK_M pairs x BLOCK_N rows dequantized in registers
+#   and fed to tl.dot (vLLM's fused_moe_kernel_gptq_awq idea): weights read once per 16 pairs instead of once per pair.
+# The interpreter (CPU tests) cannot run PTX: there the GEMV uses _dequant_dot_portable, the same data in plain Triton.
 
-# Launch configs (BLOCK_N output rows, BLOCK_K input columns, a multiple of the group): the best of
-# `python kernels.py --sweep` on an H200 at K2.6 TP8 shapes (I=256), T = 1, 8, 16 (before split-K was added).
+MOE_GEMV_MAX_T = 64
+MOE_GEMV_BLOCKS = dict(gate_up=dict(BLOCK_N=32, BLOCK_W=64, num_warps=4, num_stages=2),     # BLOCK_W int32 words
+                       down=dict(BLOCK_N=64, BLOCK_W=32, num_warps=4, num_stages=2))        # = 8 * BLOCK_W columns
+# Launch configs (BLOCK_N output rows, BLOCK_K input columns, a multiple of the group) of the tl.dot path.
 MOE_BLOCKS = dict(gate_up=dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
                   down=dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2))
 MOE_MAX_SPLIT_K = 8
-# Token rows per tile: the smallest tl.dot tile. Tree verify spreads T*K pairs over many experts (~1-3 per expert);
-# on the H200, 16 beat 32/64 at T = 32, 64 even with half the tokens repeating the others' experts (1.5x faster).
-# An expert with more pairs loops over them, re-reading its weights (mostly from L2).
+# Token rows per tile of the tl.dot path: the smallest tl.dot tile. An expert with more pairs loops over them.
 MOE_BLOCK_M = 16
+# PTX only on NVIDIA hardware: not under the interpreter, not on ROCm
+MOE_PTX = os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None
 
 
 @triton.jit
 def _expert_of_slot(bounds_ptr, slot, E, E_POW2: tl.constexpr):
     # Expert e owns sorted pairs bounds[e] .. bounds[e+1]. Returns the slot-th used expert (in id order), its first
-    # sorted pair and its pair count; count is 0 when fewer than slot+1 experts are used (the program then exits).
-    # A scan over all E experts: stage 1 does it and leaves the answer in `slots` for stage 2, which has far more
-    # programs per expert (D / BLOCK_N = 112) and would pay for it on each.
+    # sorted pair and its pair count; count is 0 when fewer than slot+1 experts are used (the programs then exit).
     offs = tl.arange(0, E_POW2)
     lo = tl.load(bounds_ptr + offs, mask=offs < E, other=0)
     hi = tl.load(bounds_ptr + offs + 1, mask=offs < E, other=0)
@@ -113,6 +126,203 @@ def _expert_of_slot(bounds_ptr, slot, E, E_POW2: tl.constexpr):
     mine = used & (tl.cumsum(used.to(tl.int32), 0) == slot + 1)
     return tl.sum(tl.where(mine, offs, 0), 0), tl.sum(tl.where(mine, lo, 0), 0), tl.sum(tl.where(mine, hi - lo, 0), 0)
 
+
+@triton.jit
+def _moe_slots_kernel(bounds_ptr, slots_ptr, E, E_POW2: tl.constexpr):
+    # slots[slot] = (expert, first sorted pair, pair count): one scan over the E experts per slot, done once here
+    # rather than in each of the hundreds of programs per expert of the stages below
+    e, start, count = _expert_of_slot(bounds_ptr, tl.program_id(0), E, E_POW2)
+    tl.store(slots_ptr + tl.program_id(0) * 3, e)
+    tl.store(slots_ptr + tl.program_id(0) * 3 + 1, start)
+    tl.store(slots_ptr + tl.program_id(0) * 3 + 2, count)
+
+
+@triton.jit
+def _load_slot(slots_ptr):
+    slot = slots_ptr + tl.program_id(0) * 3
+    return tl.load(slot), tl.load(slot + 1), tl.load(slot + 2)
+
+
+# --- decode / verify path: GEMV on packed f16x2 activations ---
+
+# d = sum_i q_i * x_i for one int32 word of 8 nibbles; $1 the word, $2..$5 the f16x2 planes (x0,x4) (x1,x5) (x2,x6)
+# (x3,x7); $0 the fp32 result. Nibbles 0/4 (mask 0x000F000F) OR'd into fp16 1024.0 (0x6400) give 1024 + u; nibbles
+# 1/5 (mask 0x00F000F0) give 1024 + 16u, turned into u - 8 by * 1/16 (0x2C00) - 72 (0xD480); word >> 8 repeats
+# both for nibbles 2/6 and 3/7. Every step is exact except the f16x2 products and sums.
+_DEQUANT_DOT_PTX = """{
+    .reg .b32 w2, t0, t1, t2, t3, m_lo, m_hi, magic, bias, sc, off, acc;
+    .reg .b16 lo, hi;
+    .reg .f32 f0, f1, f2;
+    mov.b32 m_lo, 0x000F000F;
+    mov.b32 m_hi, 0x00F000F0;
+    mov.b32 magic, 0x64006400;
+    mov.b32 bias, 0x64086408;
+    mov.b32 sc, 0x2C002C00;
+    mov.b32 off, 0xD480D480;
+    shr.u32 w2, $1, 8;
+    lop3.b32 t0, $1, m_lo, magic, 0xEA;
+    lop3.b32 t1, $1, m_hi, magic, 0xEA;
+    lop3.b32 t2, w2, m_lo, magic, 0xEA;
+    lop3.b32 t3, w2, m_hi, magic, 0xEA;
+    sub.f16x2 t0, t0, bias;
+    fma.rn.f16x2 t1, t1, sc, off;
+    sub.f16x2 t2, t2, bias;
+    fma.rn.f16x2 t3, t3, sc, off;
+    mul.rn.f16x2 acc, t0, $2;
+    fma.rn.f16x2 acc, t1, $3, acc;
+    fma.rn.f16x2 acc, t2, $4, acc;
+    fma.rn.f16x2 acc, t3, $5, acc;
+    mov.b32 {lo, hi}, acc;
+    cvt.f32.f16 f0, lo;
+    cvt.f32.f16 f1, hi;
+    add.f32 f2, f0, f1;
+    mov.b32 $0, f2;
+}"""
+_DEQUANT_DOT_PTX = tl.constexpr(_DEQUANT_DOT_PTX) if HAS_TRITON else _DEQUANT_DOT_PTX  # a jit global must be constexpr
+
+
+@triton.jit
+def _f16_half(packed, HIGH: tl.constexpr):
+    # one fp16 half of f16x2 words, as fp32
+    bits = (packed >> 16) if HIGH else packed
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _dequant_dot_portable(words, x04, x15, x26, x37):
+    # the PTX's data and result in plain Triton (fp32 products): what the interpreter runs
+    acc = tl.zeros(words.shape, dtype=tl.float32)
+    for p in tl.static_range(4):
+        if p == 0:
+            xp = x04
+        elif p == 1:
+            xp = x15
+        elif p == 2:
+            xp = x26
+        else:
+            xp = x37
+        q_lo = ((words >> (4 * p)) & 0xF) - 8
+        q_hi = ((words >> (4 * p + 16)) & 0xF) - 8
+        acc += q_lo.to(tl.float32) * _f16_half(xp, False) + q_hi.to(tl.float32) * _f16_half(xp, True)
+    return acc
+
+
+@triton.jit
+def _group_dot(w_rows, s_rows, xk_row, n_words, w0, n_mask,
+               GW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PTX: tl.constexpr):
+    # Rows n of W (pointers w_rows / s_rows [BLOCK_N, 1]) times one packed activation row xk_row [4, n_words], over the
+    # words w0 .. w0+BLOCK_W: [BLOCK_N, BLOCK_W // GW] fp32, one sum per scale group (GW words), already scaled.
+    ww = w0 + tl.arange(0, BLOCK_W)
+    w_mask = ww < n_words
+    words = tl.load(w_rows + ww[None, :], mask=n_mask[:, None] & w_mask[None, :], other=0)   # [BN, BW] int32
+    x04 = tl.broadcast_to(tl.load(xk_row + ww, mask=w_mask, other=0)[None, :], (BLOCK_N, BLOCK_W))       # f16x2 planes
+    x15 = tl.broadcast_to(tl.load(xk_row + n_words + ww, mask=w_mask, other=0)[None, :], (BLOCK_N, BLOCK_W))
+    x26 = tl.broadcast_to(tl.load(xk_row + 2 * n_words + ww, mask=w_mask, other=0)[None, :], (BLOCK_N, BLOCK_W))
+    x37 = tl.broadcast_to(tl.load(xk_row + 3 * n_words + ww, mask=w_mask, other=0)[None, :], (BLOCK_N, BLOCK_W))
+    if PTX:
+        d = tl.inline_asm_elementwise(_DEQUANT_DOT_PTX, "=r,r,r,r,r,r", [words, x04, x15, x26, x37],
+                                      dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    else:
+        d = _dequant_dot_portable(words, x04, x15, x26, x37)
+    offs_g = w0 // GW + tl.arange(0, BLOCK_W // GW)
+    s = tl.load(s_rows + offs_g[None, :], mask=n_mask[:, None] & (offs_g < n_words // GW)[None, :], other=0.0)
+    return tl.sum(tl.reshape(d, (BLOCK_N, BLOCK_W // GW, GW)), 2) * s.to(tl.float32)
+
+
+@triton.jit
+def _prep_plane(src_ptr, row, P, N, SPLIT_K, ww, wm, i: tl.constexpr, SWIGLU: tl.constexpr):
+    # plane i of one row, fp32: x[row, 8w + i], or h = silu(sum_s gate) * (sum_s up) from gu [SPLIT_K, P, 2N]
+    if SWIGLU:
+        gate = tl.zeros(ww.shape, dtype=tl.float32)
+        up = tl.zeros(ww.shape, dtype=tl.float32)
+        for s in range(0, SPLIT_K):
+            gu_row = src_ptr + (s * P + row) * (2 * N)
+            gate += tl.load(gu_row + ww * 8 + i, mask=wm, other=0.0)
+            up += tl.load(gu_row + N + ww * 8 + i, mask=wm, other=0.0)
+        v = gate * tl.sigmoid(gate) * up
+    else:
+        v = tl.load(src_ptr + row * N + ww * 8 + i, mask=wm, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _moe_prep_f16(src_ptr, xk_ptr, xs_ptr, P, N, SPLIT_K, SWIGLU: tl.constexpr, NW_POW2: tl.constexpr):
+    # Program row: one activation row of N -> xk[row] [4, N/8] int32 f16x2 planes (plane p, word w = (x[8w+p],
+    # x[8w+p+4])) scaled by 2^-e, e = floor(log2 max |x|), and xs[row] = 2^e. Reads its input twice (max, then pack):
+    # a row is at most a few KB, in L1.
+    row = tl.program_id(0)
+    NW = N // 8
+    ww = tl.arange(0, NW_POW2)
+    wm = ww < NW
+    amax = tl.zeros((NW_POW2,), dtype=tl.float32)
+    for i in tl.static_range(8):
+        amax = tl.maximum(amax, tl.abs(_prep_plane(src_ptr, row, P, N, SPLIT_K, ww, wm, i, SWIGLU)))
+    m = tl.max(amax, 0)
+    e = tl.where(m > 0, tl.floor(tl.log2(tl.where(m > 0, m, 1.0))), 0.0)
+    tl.store(xs_ptr + row, tl.exp2(e))
+    scale = tl.exp2(-e)                                                      # a power of two: exact
+    for p in tl.static_range(4):
+        lo = (_prep_plane(src_ptr, row, P, N, SPLIT_K, ww, wm, p, SWIGLU) * scale).to(tl.float16)
+        hi = (_prep_plane(src_ptr, row, P, N, SPLIT_K, ww, wm, p + 4, SWIGLU) * scale).to(tl.float16)
+        packed = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+        tl.store(xk_ptr + row * (4 * NW) + p * NW + ww, packed, mask=wm)
+
+
+@triton.jit
+def _moe_gate_up_gemv(xk_ptr, xs_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, slots_ptr, I, K, P, DW, DG,
+                      GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                      PTX: tl.constexpr):
+    # Program (slot, pid_n, split): rows pid_n*BLOCK_N.. of gate and of up of the slot-th used expert, over the
+    # split-th slice of the DW words of a row, for each of its pairs -> gu[split, pair] (gate 0..I-1, up I..2I-1).
+    # DW = D/8 and DG = D/group are arguments (not D // 8 here) so the compiler sees them divisible by 16.
+    e, start, count = _load_slot(slots_ptr)
+    if count == 0:
+        return
+    split = tl.program_id(2)
+    GW: tl.constexpr = GROUP // 8
+    w_len = tl.cdiv(tl.cdiv(DW, BLOCK_W), SPLIT_K) * BLOCK_W                 # a whole number of tiles per split
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    w_gate = w_ptr + e * (2 * I) * DW + offs_n[:, None] * DW                 # gate rows 0..I-1, up rows I..2I-1
+    s_gate = s_ptr + e * (2 * I) * DG + offs_n[:, None] * DG
+    for m in range(0, count):                                                # usually one pair
+        pair = tl.load(pair_ptr + start + m)                                 # pair = t*K + k
+        tok = pair // K
+        acc_g = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
+        for w0 in range(split * w_len, tl.minimum(split * w_len + w_len, DW), BLOCK_W):   # empty slice: zeros
+            acc_g += _group_dot(w_gate, s_gate, xk_ptr + tok * 4 * DW, DW, w0, n_mask, GW, BLOCK_N, BLOCK_W, PTX)
+            acc_u += _group_dot(w_gate + I * DW, s_gate + I * DG, xk_ptr + tok * 4 * DW, DW, w0, n_mask,
+                                GW, BLOCK_N, BLOCK_W, PTX)
+        xs = tl.load(xs_ptr + tok)                                           # undo the activation scale
+        out = gu_ptr + (split * P + pair) * (2 * I) + offs_n
+        tl.store(out, tl.sum(acc_g, 1) * xs, mask=n_mask)
+        tl.store(out + I, tl.sum(acc_u, 1) * xs, mask=n_mask)
+
+
+@triton.jit
+def _moe_down_gemv(hk_ptr, hs_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, slots_ptr, D, IW, IG,
+                   GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PTX: tl.constexpr):
+    # Program (slot, pid_n): output columns pid_n*BLOCK_N.. of down_proj for each pair of the slot-th used expert,
+    # times the pair's routing weight -> y[pair]
+    e, start, count = _load_slot(slots_ptr)
+    if count == 0:
+        return
+    GW: tl.constexpr = GROUP // 8
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < D
+    w_rows = w_ptr + e * D * IW + offs_n[:, None] * IW
+    s_rows = s_ptr + e * D * IG + offs_n[:, None] * IG
+    for m in range(0, count):
+        pair = tl.load(pair_ptr + start + m)
+        acc = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
+        for w0 in range(0, IW, BLOCK_W):
+            acc += _group_dot(w_rows, s_rows, hk_ptr + pair * 4 * IW, IW, w0, n_mask, GW, BLOCK_N, BLOCK_W, PTX)
+        y = tl.sum(acc, 1) * (tl.load(hs_ptr + pair) * tl.load(topk_w_ptr + pair))
+        tl.store(y_ptr + pair * D + offs_n, y, mask=n_mask)
+
+
+# --- prefill path (and fp32 activations): tl.dot on dequantized tiles ---
 
 @triton.jit
 def _int4_tile(w_rows, s_rows, k0, n_mask, n_cols, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -130,24 +340,19 @@ def _int4_tile(w_rows, s_rows, k0, n_mask, n_cols, GROUP: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, bounds_ptr, slots_ptr, E, D, I, K, P,
-                        GROUP: tl.constexpr, E_POW2: tl.constexpr, SPLIT_K: tl.constexpr,
+def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, slots_ptr, D, I, K, P,
+                        GROUP: tl.constexpr, SPLIT_K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # Program (slot, pid_n, split): rows pid_n*BLOCK_N.. of gate and of up for the slot-th used expert, summed over
     # the split-th slice of D, stored to gu[split, pair] (gate in columns 0..I-1, up in I..2I-1).
-    e, start, count = _expert_of_slot(bounds_ptr, tl.program_id(0), E, E_POW2)
-    split = tl.program_id(2)
-    if (tl.program_id(1) == 0) & (split == 0):  # hand (e, start, count) of this slot to stage 2
-        tl.store(slots_ptr + tl.program_id(0) * 3, e)
-        tl.store(slots_ptr + tl.program_id(0) * 3 + 1, start)
-        tl.store(slots_ptr + tl.program_id(0) * 3 + 2, count)
+    e, start, count = _load_slot(slots_ptr)
     if count == 0:
         return
+    split = tl.program_id(2)
     k_len = tl.cdiv(tl.cdiv(D, BLOCK_K), SPLIT_K) * BLOCK_K                  # a whole number of tiles per split
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
-    e = e.to(tl.int64)
     w_gate = w_ptr + e * (2 * I * (D // 8)) + offs_n[:, None] * (D // 8)   # gate rows 0..I-1, up rows I..2I-1
     s_gate = s_ptr + e * (2 * I * (D // GROUP)) + offs_n[:, None] * (D // GROUP)
     w_up = w_gate + I * (D // 8)
@@ -175,9 +380,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, bounds_ptr, slots
 def _moe_down_kernel(h_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, slots_ptr, D, I,
                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # Program (slot, pid_n): output columns pid_n*BLOCK_N.. of down_proj for the slot-th used expert.
-    e = tl.load(slots_ptr + tl.program_id(0) * 3)
-    start = tl.load(slots_ptr + tl.program_id(0) * 3 + 1)
-    count = tl.load(slots_ptr + tl.program_id(0) * 3 + 2)
+    e, start, count = _load_slot(slots_ptr)
     if count == 0:
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -200,6 +403,54 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, slots_ptr
         tl.store(y_ptr + pair[:, None] * D + offs_n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
+def _split_k(n_units: int, n_programs: int, device) -> int:
+    # slices of the reduction dim so that ~2 waves of programs fill the GPU (on CPU only the interpreter runs this:
+    # pretend to have 16 SMs, so tests exercise several splits)
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+    return max(1, min(MOE_MAX_SPLIT_K, n_units, triton.cdiv(2 * n_sm, n_programs)))
+
+
+def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y):
+    T, D = x.shape
+    P, K = y.shape[0], y.shape[0] // T
+    n_slots, I = slots.shape[0], w13_packed.shape[1] // 2
+    xk = _empty((T, 4, D // 8), torch.int32, x.device)                       # packed f16x2 activation planes
+    xs = _empty((T,), torch.float32, x.device)                               # their power-of-two scales
+    _moe_prep_f16[(T,)](x, xk, xs, T, D, 1, SWIGLU=False, NW_POW2=triton.next_power_of_2(D // 8), num_warps=8)
+    cfg = MOE_GEMV_BLOCKS["gate_up"]
+    n_blocks = triton.cdiv(I, cfg["BLOCK_N"])
+    split_k = _split_k(triton.cdiv(D // 8, cfg["BLOCK_W"]), n_slots * n_blocks, x.device)
+    gu = _empty((split_k, P, 2 * I), torch.float32, x.device)
+    _moe_gate_up_gemv[(n_slots, n_blocks, split_k)](
+        xk, xs, w13_packed, w13_scale, gu, pair_ids, slots, I, K, P, D // 8, D // group_size,
+        GROUP=group_size, SPLIT_K=split_k, PTX=MOE_PTX, **cfg)
+    hk = _empty((P, 4, I // 8), torch.int32, x.device)
+    hs = _empty((P,), torch.float32, x.device)
+    _moe_prep_f16[(P,)](gu, hk, hs, P, I, split_k, SWIGLU=True, NW_POW2=triton.next_power_of_2(I // 8), num_warps=4)
+    cfg = MOE_GEMV_BLOCKS["down"]
+    _moe_down_gemv[(n_slots, triton.cdiv(D, cfg["BLOCK_N"]))](
+        hk, hs, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I // 8, I // group_size,
+        GROUP=group_size, PTX=MOE_PTX, **cfg)
+
+
+def _moe_dot(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y):
+    T, D = x.shape
+    P, K = y.shape[0], y.shape[0] // T
+    n_slots, I = slots.shape[0], w13_packed.shape[1] // 2
+    cfg = MOE_BLOCKS["gate_up"]
+    n_blocks = triton.cdiv(I, cfg["BLOCK_N"])
+    split_k = _split_k(triton.cdiv(D, cfg["BLOCK_K"]), n_slots * n_blocks, x.device)
+    gu = _empty((split_k, P, 2 * I), torch.float32, x.device)
+    _moe_gate_up_kernel[(n_slots, n_blocks, split_k)](
+        x, w13_packed, w13_scale, gu, pair_ids, slots, D, I, K, P,
+        GROUP=group_size, SPLIT_K=split_k, BLOCK_M=MOE_BLOCK_M, **cfg)
+    gate, up = gu.sum(0).chunk(2, dim=-1)
+    h = F.silu(gate) * up                                                     # [P, I] fp32
+    cfg = MOE_BLOCKS["down"]
+    _moe_down_kernel[(n_slots, triton.cdiv(D, cfg["BLOCK_N"]))](
+        h, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I, GROUP=group_size, BLOCK_M=MOE_BLOCK_M, **cfg)
+
+
 def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, out=None):
     T, D = x.shape
     K = topk_ids.shape[1]
@@ -211,6 +462,8 @@ def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
     assert D % group_size == 0 and I % group_size == 0 and group_size % 8 == 0, f"D={D}, I={I}, group {group_size}"
     for cfg in MOE_BLOCKS.values():
         assert cfg["BLOCK_K"] % group_size == 0 and cfg["BLOCK_N"] >= 16, f"MOE_BLOCKS {cfg}: BLOCK_K % group, BLOCK_N >= 16"
+    for cfg in MOE_GEMV_BLOCKS.values():
+        assert (8 * cfg["BLOCK_W"]) % group_size == 0, f"MOE_GEMV_BLOCKS {cfg}: 8 * BLOCK_W must be a multiple of the group"
     assert w13_packed.shape == (E, 2 * I, D // 8) and w13_packed.dtype == torch.int32, f"w13 {tuple(w13_packed.shape)}"
     assert w13_scale.shape == (E, 2 * I, D // group_size), f"w13_scale {tuple(w13_scale.shape)}"
     assert w2_packed.shape == (E, D, I // 8) and w2_packed.dtype == torch.int32, f"w2_packed {tuple(w2_packed.shape)}"
@@ -223,29 +476,15 @@ def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
         out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     assert out.shape == (T, D) and out.dtype == torch.float32 and out.is_contiguous(), "out: contiguous float32 [T, D]"
 
-    # Group the T*K (token, k) pairs by expert with fixed-shape ops only (no host sync, CUDA-graph capturable):
-    # expert e owns pair_ids[bounds[e]:bounds[e+1]]. The grid has one slot per possible used expert, min(E, T*K).
+    # expert e owns pair_ids[bounds[e]:bounds[e+1]]; one slot per possible used expert, min(E, T*K)
     P = T * K
     sorted_ids, pair_ids = torch.sort(topk_ids.view(-1).to(torch.int32))                        # [P], [P]
     bounds = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=x.device, dtype=torch.int32))  # [E+1]
-    n_slots = min(E, P)
-
-    cfg = MOE_BLOCKS["gate_up"]
-    n_blocks = triton.cdiv(I, cfg["BLOCK_N"])
-    # split D when there are too few programs for ~2 waves (on CPU: the interpreter, i.e. tests; exercise splits)
-    n_sm = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 16
-    split_k = max(1, min(MOE_MAX_SPLIT_K, triton.cdiv(D, cfg["BLOCK_K"]), triton.cdiv(2 * n_sm, n_slots * n_blocks)))
-    gu = _empty((split_k, P, 2 * I), torch.float32, x.device)
-    slots = _empty((n_slots, 3), torch.int64, x.device)                       # (expert, first sorted pair, count)
-    _moe_gate_up_kernel[(n_slots, n_blocks, split_k)](
-        x, w13_packed, w13_scale, gu, pair_ids, bounds, slots, E, D, I, K, P,
-        GROUP=group_size, E_POW2=triton.next_power_of_2(E), SPLIT_K=split_k, BLOCK_M=MOE_BLOCK_M, **cfg)
-    gate, up = gu.sum(0).chunk(2, dim=-1)
-    h = F.silu(gate) * up                                                     # [P, I] fp32
-    y = _empty((P, D), torch.float32, x.device)
-    cfg = MOE_BLOCKS["down"]
-    _moe_down_kernel[(n_slots, triton.cdiv(D, cfg["BLOCK_N"]))](
-        h, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I, GROUP=group_size, BLOCK_M=MOE_BLOCK_M, **cfg)
+    slots = _empty((min(E, P), 3), torch.int64, x.device)                    # (expert, first sorted pair, count)
+    _moe_slots_kernel[(slots.shape[0],)](bounds, slots, E, E_POW2=triton.next_power_of_2(E))
+    y = _empty((P, D), torch.float32, x.device)                              # per pair, weighted by topk_weights
+    path = _moe_gemv if T <= MOE_GEMV_MAX_T and x.dtype != torch.float32 else _moe_dot
+    path(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y)
     return torch.sum(y.view(T, K, D), dim=1, out=out)
 
 
@@ -478,16 +717,24 @@ def _time(fn):
     return eager, graph
 
 
-def _selftest_row(label: str, case, kernel, ref, tol: float) -> bool:
+def _copy_bandwidth(nbytes: int = 2**30) -> float:
+    """GB/s of a device-to-device copy (bytes read + written), the yardstick of the bandwidth columns."""
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3) / 1e9
+
+
+def _selftest_row(label: str, case, kernel, ref, tol: float, bw: float) -> bool:
     """One self-test row: case() -> (args, bytes read, extra column); kernel vs ref error, eager and graph
-    times, GB/s. An exception is reported on the row (and fails the test) instead of stopping the table."""
+    times, GB/s and its fraction of the copy bandwidth bw. An exception is reported on the row (and fails the
+    test) instead of stopping the table."""
     try:
         args, nbytes, extra = case()
         _, rel = _compare(kernel(*args), ref(*args))
         eager, graph = _time(lambda: kernel(*args))
         gbps = nbytes / (min(eager, graph) if graph == graph else eager) / 1e3
         flag = "" if rel < tol else "  FAIL"
-        print(f"{label}{extra} {rel:>9.2e} {eager:>9.1f} {graph:>9.1f} {gbps:>7.0f}{flag}")
+        print(f"{label}{extra} {rel:>9.2e} {eager:>9.1f} {graph:>9.1f} {gbps:>7.0f} {100 * gbps / bw:>5.1f}%{flag}")
         return rel < tol
     except Exception as exc:
         print(f"{label}  ERROR {type(exc).__name__}: {str(exc)[:200]}")
@@ -500,26 +747,30 @@ def gpu_selftest(tol=2e-2) -> bool:
     dev, dtype, ok = torch.device("cuda"), torch.bfloat16, True
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | bf16, tol {tol}")
+    bw = _copy_bandwidth()
+    print(f"copy bandwidth (1 GiB device-to-device, read + written): {bw:.0f} GB/s; '% bw' = GB/s / that")
 
-    print("\nfused_moe_w4a16: E=384, D=7168, top-8, group 32; GB/s = INT4 weights + scales of the used experts / time")
-    print(f"{'I':>5} {'T':>3} {'experts':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'GB/s':>7}")
+    print("\nfused_moe_w4a16: E=384, D=7168, top-8, group 32; GB/s = INT4 weights + scales of the used experts / time;"
+          f" T <= {MOE_GEMV_MAX_T}: GEMV path, above: tl.dot path")
+    print(f"{'I':>5} {'T':>3} {'experts':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'GB/s':>7} {'% bw':>6}")
     E, D, K, G = 384, 7168, 8, 32
     for I in (256, 2048):  # TP8 slice, whole expert
         weights = _rand_experts(E, D, I, G, dtype, dev)
         expert_bytes = sum(w[0].numel() * w.element_size() for w in weights)
-        for T in (1, 9, 17, 33, 64):
+        for T in (1, 9, 17, 33, 64, 128):
             def case():
                 x = torch.randn(T, D, device=dev, dtype=dtype)
+                x[0, 5] = 1e4 if T == 1 else x[0, 5]     # an outlier: fp16 activations must be scaled, not overflow
                 topk_weights, topk_ids = torch.rand(T, E, device=dev).topk(K, dim=-1)
                 topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).float()
                 n_exp = topk_ids.unique().numel()
                 return (x, topk_ids, topk_weights, *weights), n_exp * expert_bytes, f" {n_exp:>7}"
-            ok &= _selftest_row(f"{I:>5} {T:>3}", case, fused_moe_w4a16, fused_moe_w4a16_ref, tol)
+            ok &= _selftest_row(f"{I:>5} {T:>3}", case, fused_moe_w4a16, fused_moe_w4a16_ref, tol, bw)
         del weights
         torch.cuda.empty_cache()
 
     print("\nmla_tree_attention: R=512, P=64, B=1, random tree; GB/s = cache bytes read (prefix+T) * 576 * 2 / time")
-    print(f"{'H':>3} {'T':>3} {'prefix':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'GB/s':>7}")
+    print(f"{'H':>3} {'T':>3} {'prefix':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'GB/s':>7} {'% bw':>6}")
     R, P, scale = 512, 64, 0.14468
     for H in (8, 64):  # TP8 heads per rank, all heads
         for T in (1, 9, 17, 33, 64):
@@ -533,7 +784,7 @@ def gpu_selftest(tol=2e-2) -> bool:
                     tree_mask = ancestor_mask(parents)[None].to(dev)
                     return (q_lat, q_pe, cache, prefix_len, tree_mask, scale), (prefix + T) * (R + P) * 2, ""
                 ok &= _selftest_row(f"{H:>3} {T:>3} {prefix:>7}", case, mla_tree_attention, mla_tree_attention_ref,
-                                    tol)
+                                    tol, bw)
     print("\nself-test", "PASSED" if ok else "FAILED")
     return ok
 
@@ -563,11 +814,11 @@ def sweep():
             x = torch.randn(T, D, device=dev, dtype=dtype)
             w, ids = torch.rand(T, E, device=dev).topk(K, dim=-1)
             moe[(I, T)] = (lambda a: lambda: fused_moe_w4a16(*a))((x, ids, w.float().contiguous(), *weights))
-    print(f"fused_moe_w4a16, us at (I, T) = {list(moe)}; defaults {MOE_BLOCKS}")
-    grid = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=nw, num_stages=st)
-            for n, k, nw, st in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (2, 3, 4))]
-    run(MOE_BLOCKS, "gate_up", [g for g in grid if g["BLOCK_N"] <= 32], moe)
-    run(MOE_BLOCKS, "down", [g for g in grid if g["BLOCK_K"] <= 256], moe)
+    print(f"fused_moe_w4a16 (GEMV path), us at (I, T) = {list(moe)}; defaults {MOE_GEMV_BLOCKS}")
+    grid = [dict(BLOCK_N=n, BLOCK_W=w, num_warps=nw, num_stages=st)
+            for n, w, nw, st in itertools.product((8, 16, 32, 64), (32, 64, 128), (4, 8), (2, 3))]
+    run(MOE_GEMV_BLOCKS, "gate_up", grid, moe)
+    run(MOE_GEMV_BLOCKS, "down", grid, moe)
     del weights, moe
     torch.cuda.empty_cache()
 

@@ -217,11 +217,16 @@ def test_attn_ref_vs_naive(kind):
 # ----------------------------------------------------------------------------------------------------------
 # Kernels vs refs (CUDA, or the interpreter in a subprocess)
 
-MOE_CASES = [  # T, E, K, D, I, tiles: "default" or "small" (BLOCK_K = 32: several K tiles, D split across programs)
+# T, E, K, D, I, tiles. 16-bit activations with T <= MOE_GEMV_MAX_T take the GEMV path, fp32 and T > 64 the tl.dot
+# path; "dot" forces the tl.dot path at 16 bits. "small": tiles of 32 columns (BLOCK_K = 32, BLOCK_W = 4 words), so
+# rows span several tiles and the reduction dim is split across programs.
+MOE_CASES = [
     (1, 8, 2, 160, 64, "small"),        # D split 4 ways over 5 tiles: the last split is empty and must store zeros
     (1, 8, 4, 128, 64, "default"),
     (9, 16, 4, 128, 64, "default"),
+    (9, 16, 4, 128, 64, "dot"),
     (17, 8, 3, 160, 96, "default"),     # D, I not multiples of the tile sizes: masked tails
+    (5, 8, 3, 160, 96, "small"),
     (33, 12, 4, 128, 64, "default"),
     (80, 2, 2, 64, 32, "small"),        # an expert with more pairs than BLOCK_M: the loop over token blocks
 ]
@@ -235,7 +240,13 @@ def test_fused_moe_kernel(T, E, K, D, I, tiles, dtype, monkeypatch):
     if tiles == "small":
         small = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2)
         monkeypatch.setattr(kernels, "MOE_BLOCKS", dict(gate_up=small, down=small))
+        small = dict(BLOCK_N=16, BLOCK_W=4, num_warps=4, num_stages=2)
+        monkeypatch.setattr(kernels, "MOE_GEMV_BLOCKS", dict(gate_up=small, down=small))
+    if tiles == "dot":
+        monkeypatch.setattr(kernels, "MOE_GEMV_MAX_T", 0)
     args = make_moe(T, E, K, D, I, dtype, KERNEL_DEVICE, seed=T)
+    if dtype != torch.float32:   # an outlier channel: the GEMV's per-row power-of-two scale keeps fp16 in range
+        args[0][0, 3] = 300.0
     out = torch.full((T, D), float("nan"), device=KERNEL_DEVICE)
     res = kernels.fused_moe_w4a16(*args, out=out)
     assert res is out
