@@ -1185,7 +1185,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("mode", choices=["e2e", "layers", "moe-split", "draft", "allreduce", "peer", "all"])
     p.add_argument("--batch", type=_ints, default=[], help="e2e: batch sizes (e.g. 1,4,16,64): batched decoding")
-    p.add_argument("--step-mode", choices=["eager", "static", "graph", "compile"], default="eager",
+    p.add_argument("--step-mode", choices=["eager", "static", "graph", "compile", "graph+compile"], default="eager",
                    help="e2e decode loop: the eager reference, the fixed-shape step, that step as a CUDA graph, or compiled")
     e = p.add_argument_group("e2e (and the peer's e2e)")
     e.add_argument("--ckpt", default=None, help="target checkpoint dir (default: the bundled checkpoints/tiny-k2)")

@@ -91,7 +91,8 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
     chain=True: the DFlash chain (the drafter's top-1 token at each of its block_size-1 positions).
     on_tokens(list[int]) is called with each step's committed tokens (streaming). Returns the new tokens.
     mode: "eager" (the reference loop below), "static" (StaticStep: fixed-shape buffers written in place,
-    no host sync inside a step), "graph" (StaticStep replayed as a CUDA graph), "compile" (torch.compile).
+    no host sync inside a step), "graph" (StaticStep replayed as a CUDA graph), "compile" (torch.compile),
+    "graph+compile" (the compiled step captured as a CUDA graph: fused kernels and no launch overhead).
     debug: check every layer's output for NaN/inf, and under TP that all ranks committed the same tokens."""
     stats = stats if stats is not None else Stats()
     dev = model.embed_tokens.weight.device
@@ -136,7 +137,7 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
     n_nodes = budget + 1 if not chain else (drafter.block_size if speculative else 1)
     if mode != "eager":
         runner = StaticStep.get(model, drafter if speculative else None, budget, chain, temperature, top_k, top_p,
-                                graph=mode == "graph", compile=mode == "compile")
+                                graph="graph" in mode, compile="compile" in mode)
         if speculative:
             drafter.append_context(ctx_feats, 0)   # the prompt's features; steps then add only new rows
         runner.load(bonus, start, ctx_len=len(prompt_ids))
@@ -363,7 +364,7 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
     stats.prefill_s = clock.lap()
     t_decode = clock.t
     runner = StaticStep.get(model, drafter if speculative else None, budget, chain, temperature, top_k, top_p,
-                            graph=mode == "graph", compile=mode == "compile", batch=B)
+                            graph="graph" in mode, compile="compile" in mode, batch=B)
     lens = [len(p) for p in prompts]
     runner.load(bonus, lens, lens)
     outs = [[t] for t in bonus.tolist()]
@@ -468,8 +469,9 @@ def _main(args: argparse.Namespace) -> int:
     M.print0(f"[loaded {args.ckpt}" + (f" + drafter {args.draft}" if drafter else "") + f" on {device}, "
              f"{dtype}; {_memory_report(device)}]")
     stop_ids = tokenizer.stop_ids
-    mode = "eager" if args.eager else ("graph" if args.cuda_graph else ("compile" if args.compile else "eager"))
-    if mode == "graph" and device.type != "cuda":
+    modes = [m for m, on in (("graph", args.cuda_graph), ("compile", args.compile)) if on]
+    mode = "eager" if args.eager or not modes else "+".join(modes)          # graph, compile or graph+compile
+    if "graph" in mode and device.type != "cuda":
         raise ValueError("--cuda-graph needs a CUDA device")
     kw = dict(drafter=drafter, budget=args.budget, chain=args.chain, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_seq_len=args.max_seq_len, mode=mode,

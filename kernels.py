@@ -230,42 +230,54 @@ def _group_dot(w_rows, s_rows, xk_row, n_words, w0, n_mask,
 
 
 @triton.jit
-def _prep_plane(src_ptr, row, P, N, SPLIT_K, ww, wm, i: tl.constexpr, SWIGLU: tl.constexpr):
-    # plane i of one row, fp32: x[row, 8w + i], or h = silu(sum_s gate) * (sum_s up) from gu [SPLIT_K, P, 2N]
+def _prep_values(src_ptr, row, P, N, SPLIT_K, cols, mask, SWIGLU: tl.constexpr):
+    # columns `cols` of one activation row, fp32: x[row, cols], or h = silu(sum_s gate) * (sum_s up) from gu
+    # [SPLIT_K, P, 2N] (stage 1's split sums: SwiGLU needs the complete ones)
     if SWIGLU:
-        gate = tl.zeros(ww.shape, dtype=tl.float32)
-        up = tl.zeros(ww.shape, dtype=tl.float32)
+        gate = tl.zeros(cols.shape, dtype=tl.float32)
+        up = tl.zeros(cols.shape, dtype=tl.float32)
         for s in range(0, SPLIT_K):
             gu_row = src_ptr + (s * P + row) * (2 * N)
-            gate += tl.load(gu_row + ww * 8 + i, mask=wm, other=0.0)
-            up += tl.load(gu_row + N + ww * 8 + i, mask=wm, other=0.0)
+            gate += tl.load(gu_row + cols, mask=mask, other=0.0)
+            up += tl.load(gu_row + N + cols, mask=mask, other=0.0)
         v = gate * tl.sigmoid(gate) * up
     else:
-        v = tl.load(src_ptr + row * N + ww * 8 + i, mask=wm, other=0.0).to(tl.float32)
+        v = tl.load(src_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
     return v
 
 
 @triton.jit
-def _moe_prep_f16(src_ptr, xk_ptr, xs_ptr, P, N, SPLIT_K, SWIGLU: tl.constexpr, NW_POW2: tl.constexpr):
-    # Program row: one activation row of N -> xk[row] [4, N/8] int32 f16x2 planes (plane p, word w = (x[8w+p],
-    # x[8w+p+4])) scaled by 2^-e, e = floor(log2 max |x|), and xs[row] = 2^e. Reads its input twice (max, then pack):
-    # a row is at most a few KB, in L1.
+def _moe_prep_f16(src_ptr, xk_ptr, xs_ptr, P, N, SPLIT_K,
+                  SWIGLU: tl.constexpr, N_POW2: tl.constexpr, BLOCK_W: tl.constexpr):
+    # Program (row, block): words block*BLOCK_W.. of one activation row of N -> xk[row] [4, N/8] int32 f16x2 planes
+    # (plane p, word w = (x[8w+p], x[8w+p+4])), scaled by 2^-e with e = floor(log2 max |x|); xs[row] = 2^e.
+    # Every program of a row reads the whole row for the max (a few KB, from L2): one parallel pass instead of a
+    # long serial one per row.
     row = tl.program_id(0)
-    NW = N // 8
-    ww = tl.arange(0, NW_POW2)
-    wm = ww < NW
-    amax = tl.zeros((NW_POW2,), dtype=tl.float32)
-    for i in tl.static_range(8):
-        amax = tl.maximum(amax, tl.abs(_prep_plane(src_ptr, row, P, N, SPLIT_K, ww, wm, i, SWIGLU)))
-    m = tl.max(amax, 0)
+    cols = tl.arange(0, N_POW2)
+    m = tl.max(tl.abs(_prep_values(src_ptr, row, P, N, SPLIT_K, cols, cols < N, SWIGLU)), 0)
     e = tl.where(m > 0, tl.floor(tl.log2(tl.where(m > 0, m, 1.0))), 0.0)
-    tl.store(xs_ptr + row, tl.exp2(e))
+    if tl.program_id(1) == 0:
+        tl.store(xs_ptr + row, tl.exp2(e))
     scale = tl.exp2(-e)                                                      # a power of two: exact
+    NW = N // 8
+    ww = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    wm = ww < NW
     for p in tl.static_range(4):
-        lo = (_prep_plane(src_ptr, row, P, N, SPLIT_K, ww, wm, p, SWIGLU) * scale).to(tl.float16)
-        hi = (_prep_plane(src_ptr, row, P, N, SPLIT_K, ww, wm, p + 4, SWIGLU) * scale).to(tl.float16)
+        lo = (_prep_values(src_ptr, row, P, N, SPLIT_K, ww * 8 + p, wm, SWIGLU) * scale).to(tl.float16)
+        hi = (_prep_values(src_ptr, row, P, N, SPLIT_K, ww * 8 + p + 4, wm, SWIGLU) * scale).to(tl.float16)
         packed = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
         tl.store(xk_ptr + row * (4 * NW) + p * NW + ww, packed, mask=wm)
+
+
+def _prep_f16(src, rows: int, N: int, split_k: int, swiglu: bool):
+    """src: x [rows, N] or gu [split_k, rows, 2N] -> (packed planes [rows, 4, N/8] int32, scales [rows] fp32)."""
+    xk = _empty((rows, 4, N // 8), torch.int32, src.device)
+    xs = _empty((rows,), torch.float32, src.device)
+    block_w = 128
+    _moe_prep_f16[(rows, triton.cdiv(N // 8, block_w))](src, xk, xs, rows, N, split_k, SWIGLU=swiglu,
+                                                         N_POW2=triton.next_power_of_2(N), BLOCK_W=block_w)
+    return xk, xs
 
 
 @triton.jit
@@ -414,9 +426,7 @@ def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group
     T, D = x.shape
     P, K = y.shape[0], y.shape[0] // T
     n_slots, I = slots.shape[0], w13_packed.shape[1] // 2
-    xk = _empty((T, 4, D // 8), torch.int32, x.device)                       # packed f16x2 activation planes
-    xs = _empty((T,), torch.float32, x.device)                               # their power-of-two scales
-    _moe_prep_f16[(T,)](x, xk, xs, T, D, 1, SWIGLU=False, NW_POW2=triton.next_power_of_2(D // 8), num_warps=8)
+    xk, xs = _prep_f16(x, T, D, 1, swiglu=False)                            # packed f16x2 planes, their scales
     cfg = MOE_GEMV_BLOCKS["gate_up"]
     n_blocks = triton.cdiv(I, cfg["BLOCK_N"])
     split_k = _split_k(triton.cdiv(D // 8, cfg["BLOCK_W"]), n_slots * n_blocks, x.device)
@@ -424,9 +434,7 @@ def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group
     _moe_gate_up_gemv[(n_slots, n_blocks, split_k)](
         xk, xs, w13_packed, w13_scale, gu, pair_ids, slots, I, K, P, D // 8, D // group_size,
         GROUP=group_size, SPLIT_K=split_k, PTX=MOE_PTX, **cfg)
-    hk = _empty((P, 4, I // 8), torch.int32, x.device)
-    hs = _empty((P,), torch.float32, x.device)
-    _moe_prep_f16[(P,)](gu, hk, hs, P, I, split_k, SWIGLU=True, NW_POW2=triton.next_power_of_2(I // 8), num_warps=4)
+    hk, hs = _prep_f16(gu, P, I, split_k, swiglu=True)                      # h = SwiGLU, packed the same way
     cfg = MOE_GEMV_BLOCKS["down"]
     _moe_down_gemv[(n_slots, triton.cdiv(D, cfg["BLOCK_N"]))](
         hk, hs, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I // 8, I // group_size,
@@ -451,6 +459,9 @@ def _moe_dot(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_
         h, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I, GROUP=group_size, BLOCK_M=MOE_BLOCK_M, **cfg)
 
 
+# torch.compile leaves this call opaque (a graph break): inductor re-generates user Triton kernels from their
+# source, and that failed for _moe_gate_up_gemv on the H200 (2026-11-29). Under CUDA graphs nothing changes.
+@torch.compiler.disable
 def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, out=None):
     T, D = x.shape
     K = topk_ids.shape[1]

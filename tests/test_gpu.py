@@ -1,5 +1,6 @@
 """GPU-only checks (run on an H200; CI has no GPU, so these skip there): CUDA-graph replay == eager over
->= 100 DDTree steps with changing trees for budgets 4..64, with the Triton kernels in the loop.
+>= 100 DDTree steps with changing trees for budgets 4..64, with the Triton kernels in the loop; the compiled
+step captured as a graph (graph+compile) == eager.
 Run: python -m pytest -q tests/test_gpu.py"""
 import pytest
 import torch
@@ -53,3 +54,19 @@ def test_graph_autoregressive_equals_eager(tmp_path):
     a = G.generate(target, [5, 6, 7], 64, max_seq_len=128)
     b = G.generate(target, [5, 6, 7], 64, max_seq_len=128, mode="graph")
     assert a == b
+
+
+@pytest.mark.parametrize("budget", [0, 8])
+def test_compiled_graph_equals_eager(tmp_path, budget):
+    """--cuda-graph --compile: the torch.compile'd step captured as a CUDA graph (the fused INT4 MoE stays an
+    opaque call inside it) commits the eager loop's tokens, float32, >= 60 steps."""
+    target, drafter = _pair(tmp_path, torch.float32)
+    prompt = list(range(3, 40))
+    runs = {}
+    for mode in ("eager", "graph+compile"):
+        st = G.Stats()
+        out = G.generate(target, prompt, 100, drafter=drafter if budget else None, budget=budget, max_seq_len=320,
+                         stats=st, mode=mode)
+        runs[mode] = (out, st.accept_lens)
+    assert len(runs["graph+compile"][1]) >= (60 if budget else 99)
+    assert runs["graph+compile"] == runs["eager"]
