@@ -1,7 +1,9 @@
 """
 Triton kernels for the two hot spots of a Kimi K2.6 decode / tree-verify step, plus the INT4 format helpers.
 
-    fused_moe_w4a16     routed experts straight from the INT4 pack-quantized checkpoint layout
+    fused_moe_w4a16     routed experts straight from the INT4 pack-quantized checkpoint layout: a bandwidth-bound
+                        GEMV for decode / verify (dequantization in 19 PTX instructions per int32 word), tl.dot
+                        tiles for prefill
     mla_tree_attention  absorbed-MLA attention over the compressed cache, with a tree mask for the new tokens
     pack_int4 / unpack_int4 / dequant_int4_ref   the single source of truth for the INT4 bit order
 
@@ -11,6 +13,7 @@ use_triton(device) which one to call; `--no-triton` sets FORCE_REF and forces th
 
 Tests (CPU, kernels run under TRITON_INTERPRET=1 in a subprocess):  python -m pytest -q tests/test_kernels.py
 GPU self-test (bf16 at K2.6 shapes, vs the refs, timings):          python kernels.py
+Launch-config sweep on a GPU:                                       python kernels.py --sweep
 """
 import os
 import sys

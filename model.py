@@ -596,7 +596,7 @@ class Experts(nn.Module):
     Measured (`bench.py moe-split --tp 8`, K2.6 shapes, one H200, CUDA graphs, 2026-11-29): the routed experts
     of one layer take 87 / 443 / 677 / 1142 us at T = 1 / 9 / 17 / 33 tokens split this way, against 191 / 588 /
     920 / 1336 us for the busiest rank under expert parallelism (48 whole experts per rank); both with the same
-    (since reverted, slower) variant of fused_moe_w4a16, so the ratio is the point, not the microseconds."""
+    earlier fused_moe_w4a16 (since replaced by the GEMV path), so the ratio is the point, not the microseconds."""
 
     def __init__(self, args: ModelArgs, quant: QuantArgs | None):
         super().__init__()
