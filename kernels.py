@@ -2,7 +2,7 @@
 Triton kernels for the two hot spots of a Kimi K2.6 decode / tree-verify step, plus the INT4 format helpers.
 
     fused_moe_w4a16     routed experts straight from the INT4 pack-quantized checkpoint layout: a bandwidth-bound
-                        GEMV for decode / verify (dequantization in 19 PTX instructions per int32 word), tl.dot
+                        GEMV for decode / verify (dequantization in ~20 PTX instructions per int32 word), tl.dot
                         tiles for prefill
     mla_tree_attention  absorbed-MLA attention over the compressed cache, with a tree mask for the new tokens
     pack_int4 / unpack_int4 / dequant_int4_ref   the single source of truth for the INT4 bit order
@@ -91,7 +91,7 @@ def dequant_int4_ref(packed: torch.Tensor, scale: torch.Tensor, group_size: int 
 #   - no tl.dot and no [BLOCK_N, BLOCK_K] dequantized tile: each int32 word is reduced against the 8 activations it
 #     multiplies, where it was loaded (a tl.dot needs the tile reshaped and moved through shared memory);
 #   - row strides passed as arguments, so the compiler proves 16-byte alignment and issues 128-bit loads;
-#   - Marlin's dequantization trick in 19 PTX instructions per word (_DEQUANT_DOT_PTX): `lop3` ORs two nibbles into
+#   - Marlin's dequantization trick in ~20 PTX instructions per word (_DEQUANT_DOT_PTX): `lop3` ORs two nibbles into
 #     the mantissas of two fp16 1024.0s at once, one f16x2 subtract / fma turns them into q = u - 8 exactly, and
 #     four f16x2 fmas form the 8 products. No int->float conversion instruction (quarter rate) is left.
 #   The activations are packed for that dot by _moe_prep_f16: plane p holds f16x2 (x[8w+p], x[8w+p+4]) - the nibble
