@@ -253,6 +253,36 @@ def test_fused_moe_kernel(T, E, K, D, I, tiles, dtype, monkeypatch):
     assert_close(out, kernels.fused_moe_w4a16_ref(*args), TOL[dtype], f"moe T={T} {dtype}")
 
 
+def unpack_f16x2_planes(xk: torch.Tensor) -> torch.Tensor:
+    # [rows, 4, N/8] int32, plane p word w = f16x2 (x[8w+p], x[8w+p+4]) -> [rows, N] fp32, independently of kernels.py
+    rows, _, nw = xk.shape
+    halves = xk.cpu().contiguous().view(torch.float16).view(rows, 4, nw, 2).float()   # little-endian: lo half first
+    return torch.cat([halves[..., 0], halves[..., 1]], dim=1).permute(0, 2, 1).reshape(rows, 8 * nw)
+
+
+@needs_kernels
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_moe_prep_f16_packing(swiglu):
+    """The GEMV's activation format: f16x2 planes in the lop3 nibble order, a power-of-two scale per row with
+    max |x| / scale in [1, 2), rows longer than one program's block (N/8 = 160 words > 128) and SwiGLU over split
+    sums; a row of zeros gets scale 1."""
+    g = torch.Generator().manual_seed(3)
+    rows, N, split_k = 3, 1280, 3
+    if swiglu:
+        src = torch.randn(split_k, rows, 2 * N, generator=g)
+        gate, up = src.sum(0).chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    else:
+        src = torch.randn(rows, N, generator=g) * torch.tensor([[1.0], [300.0], [0.0]])
+        x = src
+    xk, xs = kernels._prep_f16(src.to(KERNEL_DEVICE), rows, N, split_k if swiglu else 1, swiglu=swiglu)
+    xs = xs.cpu()
+    amax = x.abs().amax(dim=1)
+    expected = torch.where(amax > 0, torch.exp2(torch.floor(torch.log2(amax.clamp_min(1e-30)))), torch.ones(()))
+    assert torch.equal(xs, expected)
+    assert_close(unpack_f16x2_planes(xk) * xs[:, None], x, 1e-3, f"prep swiglu={swiglu}")
+
+
 ATTN_CASES = [  # T, H, prefixes (B = len), mask kind, tiles: "default" or "small" (short splits, several per row)
     (1, 4, [0, 100], "chain", "default"),
     (9, 2, [1, 100], "bushy", "small"),
@@ -283,7 +313,8 @@ def test_mla_tree_attention_kernel(T, H, prefixes, kind, tiles, dtype, monkeypat
 
 @pytest.mark.skipif(KERNEL_DEVICE is not None or not kernels.HAS_TRITON, reason="kernels run directly here")
 def test_kernels_under_triton_interpreter():
-    tests = [f"{__file__}::test_fused_moe_kernel", f"{__file__}::test_mla_tree_attention_kernel"]
+    tests = [f"{__file__}::test_fused_moe_kernel", f"{__file__}::test_mla_tree_attention_kernel",
+             f"{__file__}::test_moe_prep_f16_packing"]
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
