@@ -540,7 +540,8 @@ ATTN_SPLITS = dict(max_splits=256, min_split_len=128)
 
 
 def tree_mask_bits(tree_mask: torch.Tensor) -> torch.Tensor:
-    # [B, T, T] bool -> [B, T] int64 with bit j set iff tree_mask[b, t, j]. Disjoint bits, so sum == OR, and the
+    # [B, T, T] bool -> [B, T] int64 with bit j set iff tree_mask[b, t, j]: the packed form both attention twins
+    # also accept, so a model packs its mask once per forward, not once per layer. Disjoint bits, so sum == OR, and the
     # two's complement wrap puts j = 63 in the sign bit, which is what the kernel's shift-and-mask expects.
     T = tree_mask.shape[-1]
     assert T <= 64, f"one int64 word per row holds at most 64 tree slots, got T={T}"
@@ -648,7 +649,10 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     assert q_pe.shape == (B, T, H, P), f"q_pe {tuple(q_pe.shape)} vs q_lat {tuple(q_lat.shape)}"
     assert cache.dim() == 3 and cache.shape[0] == B and cache.shape[2] == R + P, f"cache {tuple(cache.shape)}: [B, S, R+P]"
     assert prefix_len.shape == (B,) and prefix_len.dtype == torch.int64, "prefix_len: want int64 [B]"
-    assert tree_mask.shape == (B, T, T) and tree_mask.dtype == torch.bool, "tree_mask: want bool [B, T, T]"
+    packed = tree_mask.dtype == torch.int64
+    assert tree_mask.shape == ((B, T) if packed else (B, T, T)) and tree_mask.dtype in (torch.bool, torch.int64), \
+        f"tree_mask: want bool [B, T, T] or its packed rows int64 [B, T] (tree_mask_bits), got {tree_mask.dtype} " \
+        f"{tuple(tree_mask.shape)}"
     assert T <= 64, f"tree part is a 64-bit mask per row: T={T} > 64"
     assert q_lat.dtype == q_pe.dtype == cache.dtype, f"dtypes differ: {q_lat.dtype}, {q_pe.dtype}, {cache.dtype}"
     for n in (R, P):
@@ -669,7 +673,7 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     num_splits = max(1, min(ATTN_SPLITS["max_splits"], triton.cdiv(cache.shape[1], MIN_SPLIT),
                             triton.cdiv(4 * n_sm, B * n_qblocks)))
 
-    bits = tree_mask_bits(tree_mask)                                            # [B, T] int64
+    bits = tree_mask.contiguous() if packed else tree_mask_bits(tree_mask)       # [B, T] int64
     o_part = _empty((B, num_splits, T * H, R), torch.float32, q_lat.device)
     lse_part = _empty((B, num_splits, T * H), torch.float32, q_lat.device)
     _mla_split_kernel[(n_qblocks, num_splits, B)](
@@ -685,6 +689,8 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
 def mla_tree_attention_ref(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale: float, out=None):
     B, T, H, R = q_lat.shape
     S = cache.shape[1]
+    if tree_mask.dtype == torch.int64:                                          # packed rows -> [B, T, T] bool
+        tree_mask = (tree_mask[..., None] >> torch.arange(T, device=tree_mask.device)) & 1 == 1
     kv, k_pe = cache[..., :R].float(), cache[..., R:].float()                  # [B, S, R], [B, S, P]
     scores = torch.einsum("bthr,bsr->bths", q_lat.float(), kv) + torch.einsum("bthp,bsp->bths", q_pe.float(), k_pe)
     scores = scores * softmax_scale                                             # [B, T, H, S]

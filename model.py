@@ -450,7 +450,8 @@ class MLA(nn.Module):
 
     def forward(self, x, cos, sin, cache=None, start_pos=None, tree_mask=None, absorb=False, slots=None):
         """x [B, T, D]. cache: this layer's [Bmax, S, R+P] slice or None (no cache: causal attention over x).
-        start_pos: int or LongTensor [B] = slot of the first new token. tree_mask [B, T, T] bool or None (causal).
+        start_pos: int or LongTensor [B] = slot of the first new token. tree_mask [B, T, T] bool or None (causal);
+        the absorbed path also takes it packed, [B, T] int64 (kernels.tree_mask_bits).
         slots [B, T]: the new tokens' cache slots, start_pos + [0, T) (Transformer computes them once)."""
         B, T, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, self.n_heads, -1)   # [B, T, H, nope+rope]
@@ -713,6 +714,8 @@ class Transformer(nn.Module):
                                                 or not isinstance(start_pos, int))
         if tree_mask is None:      # causal; built once here rather than in every layer
             tree_mask = _causal(T, tokens.device).expand(B, T, T)
+        if absorb and T <= 64:     # absorbed attention takes each row packed into one int64 word: pack once
+            tree_mask = kernels.tree_mask_bits(tree_mask)                                   # [B, T] int64
         h = self.embed_tokens(tokens)                                                       # [B, T, D]
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_attn_factor, positions, h.dtype)
         taps = []

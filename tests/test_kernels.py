@@ -308,7 +308,12 @@ def test_mla_tree_attention_kernel(T, H, prefixes, kind, tiles, dtype, monkeypat
     out = torch.full_like(args[0], float("nan"))
     res = kernels.mla_tree_attention(*args, out=out)
     assert res is out
-    assert_close(out, kernels.mla_tree_attention_ref(*args), TOL[dtype], f"attn T={T} H={H} {prefixes} {kind} {dtype}")
+    ref = kernels.mla_tree_attention_ref(*args)
+    assert_close(out, ref, TOL[dtype], f"attn T={T} H={H} {prefixes} {kind} {dtype}")
+    # the mask packed once per forward (what model.py passes) gives the same bits in both twins
+    packed = (*args[:4], kernels.tree_mask_bits(args[4]), args[5])
+    assert torch.equal(kernels.mla_tree_attention(*packed), out)
+    assert torch.equal(kernels.mla_tree_attention_ref(*packed), ref)
 
 
 @pytest.mark.skipif(KERNEL_DEVICE is not None or not kernels.HAS_TRITON, reason="kernels run directly here")
