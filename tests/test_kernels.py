@@ -283,6 +283,21 @@ def test_moe_prep_f16_packing(swiglu):
     assert_close(unpack_f16x2_planes(xk) * xs[:, None], x, 1e-3, f"prep swiglu={swiglu}")
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("shape, N, w_fp32", [((1, 7168), 7168, False), ((2, 3, 1536), 1536, False),
+                                              ((4, 5, 48), 32, False), ((3, 128), 128, True)])
+def test_rms_norm_kernel(shape, N, w_fp32, dtype):
+    """One-launch RMSNorm == the PyTorch form: rows of K2.6 widths, a last-dim slice of a wider tensor (the
+    kv_a_layernorm input; strided rows), and an fp32 weight on 16-bit x (the output takes the promoted dtype)."""
+    g = torch.Generator().manual_seed(N)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype).to(KERNEL_DEVICE)[..., :N]
+    w = (torch.rand(N, generator=g) + 0.5).to(torch.float32 if w_fp32 else dtype).to(KERNEL_DEVICE)
+    y, ref = kernels.rms_norm(x, w, 1e-6), kernels.rms_norm_ref(x, w, 1e-6)
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    assert_close(y, ref, TOL[dtype], f"rms_norm {shape} {N} {dtype}")
+
+
 ATTN_CASES = [  # T, H, prefixes (B = len), mask kind, tiles: "default" or "small" (short splits, several per row)
     (1, 4, [0, 100], "chain", "default"),
     (9, 2, [1, 100], "bushy", "small"),
@@ -319,7 +334,7 @@ def test_mla_tree_attention_kernel(T, H, prefixes, kind, tiles, dtype, monkeypat
 @pytest.mark.skipif(KERNEL_DEVICE is not None or not kernels.HAS_TRITON, reason="kernels run directly here")
 def test_kernels_under_triton_interpreter():
     tests = [f"{__file__}::test_fused_moe_kernel", f"{__file__}::test_mla_tree_attention_kernel",
-             f"{__file__}::test_moe_prep_f16_packing"]
+             f"{__file__}::test_moe_prep_f16_packing", f"{__file__}::test_rms_norm_kernel"]
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
