@@ -419,6 +419,16 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, slots_ptr
         tl.store(y_ptr + pair[:, None] * D + offs_n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
+_EXPERT_IDS: dict = {}   # (n, device) -> arange(n) int32, made once: one kernel less per MoE layer step (never
+                         # evicted: captured CUDA graphs keep reading it)
+
+
+def _expert_ids(n: int, device) -> torch.Tensor:
+    if (n, device) not in _EXPERT_IDS:
+        _EXPERT_IDS[n, device] = torch.arange(n, device=device, dtype=torch.int32)
+    return _EXPERT_IDS[n, device]
+
+
 def _split_k(n_units: int, n_programs: int, device) -> int:
     # slices of the reduction dim so that ~2 waves of programs fill the GPU (on CPU only the interpreter runs this:
     # pretend to have 16 SMs, so tests exercise several splits)
@@ -494,7 +504,7 @@ def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
     # expert e owns pair_ids[bounds[e]:bounds[e+1]]; one slot per possible used expert, min(E, T*K)
     P = T * K
     sorted_ids, pair_ids = torch.sort(topk_ids.view(-1).to(torch.int32))                        # [P], [P]
-    bounds = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=x.device, dtype=torch.int32))  # [E+1]
+    bounds = torch.searchsorted(sorted_ids, _expert_ids(E + 1, x.device))  # [E+1]
     slots = _empty((min(E, P), 3), torch.int64, x.device)                    # (expert, first sorted pair, count)
     _moe_slots_kernel[(slots.shape[0],)](bounds, slots, E, E_POW2=triton.next_power_of_2(E))
     y = _empty((P, D), torch.float32, x.device)                              # per pair, weighted by topk_weights
