@@ -477,6 +477,8 @@ def _moe_dot(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_
 # source, and that failed for _moe_gate_up_gemv on the H200 (2026-11-29). Under CUDA graphs nothing changes.
 @torch.compiler.disable
 def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, out=None):
+    """x [T, D], topk_ids / topk_weights [T, K] -> [T, D] fp32 = sum_k weight * SwiGLU expert_k(x), the experts read
+    from the INT4 layout (see experts_ref). GEMV path for T <= MOE_GEMV_MAX_T with 16-bit x, tl.dot path else."""
     T, D = x.shape
     K = topk_ids.shape[1]
     E, I2, _ = w13_packed.shape
