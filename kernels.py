@@ -750,6 +750,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.reshape(-1, N)                      # a view for contiguous x and for a last-dim slice of a contiguous one
     assert rows.stride(-1) == 1, "x: the normalized (last) dim must be contiguous"
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if rows.shape[0] == 0:                       # e.g. no new context rows for the drafter this step
+        return out
     BLOCK = triton.next_power_of_2(N)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), N, EPS=float(eps), BLOCK=BLOCK,
                                        num_warps=min(8, max(1, BLOCK // 512)))
