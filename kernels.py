@@ -552,12 +552,15 @@ ATTN_BLOCKS = dict(BLOCK_Q=16, BLOCK_S=64, num_warps=4, num_stages=2)
 ATTN_SPLITS = dict(max_splits=256, min_split_len=128)
 
 
+MASK_WORD_BITS = 64     # tree slots per packed mask row (one int64 word): the widest verify the kernel takes
+
+
 def tree_mask_bits(tree_mask: torch.Tensor) -> torch.Tensor:
     # [B, T, T] bool -> [B, T] int64 with bit j set iff tree_mask[b, t, j]: the packed form both attention twins
     # also accept, so a model packs its mask once per forward, not once per layer. Disjoint bits, so sum == OR, and the
     # two's complement wrap puts j = 63 in the sign bit, which is what the kernel's shift-and-mask expects.
     T = tree_mask.shape[-1]
-    assert T <= 64, f"one int64 word per row holds at most 64 tree slots, got T={T}"
+    assert T <= MASK_WORD_BITS, f"one int64 word per row holds at most {MASK_WORD_BITS} tree slots, got T={T}"
     return (tree_mask.long() << torch.arange(T, device=tree_mask.device)).sum(-1)
 
 
@@ -666,7 +669,7 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     assert tree_mask.shape == ((B, T) if packed else (B, T, T)) and tree_mask.dtype in (torch.bool, torch.int64), \
         f"tree_mask: want bool [B, T, T] or its packed rows int64 [B, T] (tree_mask_bits), got {tree_mask.dtype} " \
         f"{tuple(tree_mask.shape)}"
-    assert T <= 64, f"tree part is a 64-bit mask per row: T={T} > 64"
+    assert T <= MASK_WORD_BITS, f"tree part is a {MASK_WORD_BITS}-bit mask per row: T={T} > {MASK_WORD_BITS}"
     assert q_lat.dtype == q_pe.dtype == cache.dtype, f"dtypes differ: {q_lat.dtype}, {q_pe.dtype}, {cache.dtype}"
     for n in (R, P):
         assert n >= 16 and n & (n - 1) == 0, f"R={R} and P={P} must be powers of two >= 16 (tl.arange, tl.dot)"

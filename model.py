@@ -510,7 +510,8 @@ class MLA(nn.Module):
         # the kernel packs each query's tree mask into one 64-bit word (T <= 64, i.e. budget <= 63) and
         # tiles R and P with power-of-two blocks; it reads only the live slots of the full cache itself
         pow2 = lambda n: n >= 16 and n & (n - 1) == 0
-        if kernels.use_triton(q_nope.device) and T <= 64 and pow2(self.kv_lora_rank) and pow2(self.rope):
+        fits = T <= kernels.MASK_WORD_BITS and pow2(self.kv_lora_rank) and pow2(self.rope)
+        if kernels.use_triton(q_nope.device) and fits:
             o_lat = kernels.mla_tree_attention(q_lat, q_pe.contiguous(), cache, prefix, tree_mask.contiguous(),
                                                self.softmax_scale)
         else:
@@ -714,7 +715,7 @@ class Transformer(nn.Module):
                                                 or not isinstance(start_pos, int))
         if tree_mask is None:      # causal; built once here rather than in every layer
             tree_mask = _causal(T, tokens.device).expand(B, T, T)
-        if absorb and T <= 64:     # absorbed attention takes each row packed into one int64 word: pack once
+        if absorb and T <= kernels.MASK_WORD_BITS:   # absorbed attention takes each row packed in a word: pack once
             tree_mask = kernels.tree_mask_bits(tree_mask)                                   # [B, T] int64
         h = self.embed_tokens(tokens)                                                       # [B, T, D]
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_attn_factor, positions, h.dtype)
