@@ -565,7 +565,7 @@ def time_compiled(step, device) -> tuple[float | None, str | None]:
         return None, f"{type(e).__name__}: {str(e)[:160]}"
 
 
-def kernel_times(step, device, reps: int = 3, top: int = 6) -> dict:
+def kernel_times(step, device, reps: int = 3, top: int = 12) -> dict:
     """What the GPU itself spends on one step: torch.profiler over `reps` eager steps, the durations of the
     device kernels (and memcpy/memset) summed per step. graph_us / kernels_us is the launch overhead a CUDA
     graph leaves (issue 10's target: <= 1.2); the top entries say where the step's time goes."""

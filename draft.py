@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels
 import model as M
 from model import CheckpointError, RMSNorm
 
@@ -242,8 +243,10 @@ def rope_cos_sin(inv_freq: torch.Tensor, amp: float, positions: torch.Tensor, dt
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, H, hd]: rotate the pairs (x1, x2) = (x[i], x[i + hd/2]) by cos/sin [B, T, hd] from rope_cos_sin:
     x * (cos, cos) + (x2, x1) * (-sin, sin) = x * cos + rotate_half(x) * sin, bit for bit (the sign sits in sin)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos.unsqueeze(2) + torch.cat([x2, x1], dim=-1) * sin.unsqueeze(2)
+    hd = x.shape[-1]
+    if M.fused(x.device) and hd & (hd - 1) == 0:
+        return kernels.rope(x, cos, sin, interleaved=False)                               # one launch
+    return kernels.rope_ref(x, cos, sin, interleaved=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,7 +322,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(a.intermediate_size, a.hidden_size, shard_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        silu_mul = kernels.silu_mul if M.fused(x.device) else kernels.silu_mul_ref
+        y = self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         if M.world_size > 1:
             dist.all_reduce(y)                  # down_proj is row-parallel: sum the slices' partial outputs
         return y
@@ -334,8 +338,9 @@ class Layer(nn.Module):
         self.mlp = MLP(a)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        x, h = self.post_attention_layernorm.add(x, attn)                  # x + attn and its norm, one launch
+        return x + self.mlp(h)
 
 
 class DFlashDrafter(nn.Module):

@@ -473,6 +473,50 @@ def _moe_dot(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_
         h, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I, GROUP=group_size, BLOCK_M=MOE_BLOCK_M, **cfg)
 
 
+MOE_SORT_MAX_PAIRS = 1024   # up to here the pairs are sorted by one program (_moe_sort_kernel); prefill: torch.sort
+
+
+@triton.jit
+def _moe_sort_kernel(ids_ptr, pair_ids_ptr, slots_ptr, P, E, N_SLOTS,
+                     P_POW2: tl.constexpr, E_POW2: tl.constexpr, S_POW2: tl.constexpr):
+    # One program: the (token, k) pairs sorted by expert (keys expert * P_POW2 + pair: unique, so the order within an
+    # expert is the pair order), per-expert counts by histogram, and the slot table of the used experts in id order.
+    p = tl.arange(0, P_POW2)
+    ids = tl.load(ids_ptr + p, mask=p < P, other=E).to(tl.int32)      # padding pairs go to bin E, past the experts
+    key = tl.sort(ids * P_POW2 + p)
+    tl.store(pair_ids_ptr + p, (key % P_POW2).to(tl.int64), mask=p < P)
+    e = tl.arange(0, E_POW2)
+    count = tl.histogram(ids, E_POW2)                                  # E_POW2 > E: the padding bin exists
+    used = (count > 0) & (e < E)
+    slot = tl.cumsum(used.to(tl.int32), 0) - 1
+    first = tl.cumsum(count, 0) - count                                # first sorted pair of expert e
+    tl.store(slots_ptr + slot * 3, e.to(tl.int64), mask=used)
+    tl.store(slots_ptr + slot * 3 + 1, first.to(tl.int64), mask=used)
+    tl.store(slots_ptr + slot * 3 + 2, count.to(tl.int64), mask=used)
+    s = tl.arange(0, S_POW2)                                           # slots past the used experts: count 0, exit
+    rest = (s >= tl.sum(used.to(tl.int32), 0)) & (s < N_SLOTS)
+    for f in tl.static_range(3):
+        tl.store(slots_ptr + s * 3 + f, tl.zeros([S_POW2], dtype=tl.int64), mask=rest)
+
+
+def _moe_sort(topk_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, K] -> pair_ids [T*K] (pairs t*K + k grouped by expert, in expert id order) and slots
+    [min(E, T*K), 3] int64 = (expert, first index into pair_ids, pair count) of the used experts in id order, then
+    count-0 rows. One launch at decode / verify sizes; prefill: sort + searchsorted + _moe_slots_kernel."""
+    P = topk_ids.numel()
+    slots = _empty((min(E, P), 3), torch.int64, topk_ids.device)
+    if P <= MOE_SORT_MAX_PAIRS:
+        pair_ids = _empty((P,), torch.int64, topk_ids.device)
+        _moe_sort_kernel[(1,)](topk_ids, pair_ids, slots, P, E, slots.shape[0], P_POW2=triton.next_power_of_2(P),
+                               E_POW2=triton.next_power_of_2(E + 1), S_POW2=triton.next_power_of_2(slots.shape[0]),
+                               num_warps=4)
+        return pair_ids, slots
+    sorted_ids, pair_ids = torch.sort(topk_ids.view(-1).to(torch.int32))                        # [P], [P]
+    bounds = torch.searchsorted(sorted_ids, _expert_ids(E + 1, topk_ids.device))                 # [E+1]
+    _moe_slots_kernel[(slots.shape[0],)](bounds, slots, E, E_POW2=triton.next_power_of_2(E))
+    return pair_ids, slots
+
+
 # torch.compile leaves this call opaque (a graph break): inductor re-generates user Triton kernels from their
 # source, and that failed for _moe_gate_up_gemv on the H200 (2026-11-29). Under CUDA graphs nothing changes.
 @torch.compiler.disable
@@ -503,12 +547,8 @@ def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
         out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     assert out.shape == (T, D) and out.dtype == torch.float32 and out.is_contiguous(), "out: contiguous float32 [T, D]"
 
-    # expert e owns pair_ids[bounds[e]:bounds[e+1]]; one slot per possible used expert, min(E, T*K)
     P = T * K
-    sorted_ids, pair_ids = torch.sort(topk_ids.view(-1).to(torch.int32))                        # [P], [P]
-    bounds = torch.searchsorted(sorted_ids, _expert_ids(E + 1, x.device))  # [E+1]
-    slots = _empty((min(E, P), 3), torch.int64, x.device)                    # (expert, first sorted pair, count)
-    _moe_slots_kernel[(slots.shape[0],)](bounds, slots, E, E_POW2=triton.next_power_of_2(E))
+    pair_ids, slots = _moe_sort(topk_ids, E)
     y = _empty((P, D), torch.float32, x.device)                              # per pair, weighted by topk_weights
     path = _moe_gemv if T <= MOE_GEMV_MAX_T and x.dtype != torch.float32 else _moe_dot
     path(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y)
@@ -726,10 +766,43 @@ def mla_tree_attention_ref(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_sc
 
 
 # ----------------------------------------------------------------------------------------------------------
-# RMSNorm in one launch. The PyTorch form (rms_norm_ref) is 7-8 kernels (cast, pow, mean, add, rsqrt, mul, cast,
-# mul) and a K2.6 layer runs 4 norms: ~30 of a layer step's ~100 kernels, each ~1-2 µs at decode sizes. Same math
-# and order as the ref: fp32 statistics, normalize, cast to x's dtype, then scale by the weight (rounding once in
-# the promoted dtype); only the reduction order of the sum of squares differs.
+# Fused glue of a decode / verify step. At T <= 64 tokens every elementwise PyTorch op is a launch of ~2 µs plus ~1
+# µs of gap even inside a CUDA graph (RMSNorm alone is 7-8 ops: cast, pow, mean, add, rsqrt, mul, cast, mul), and
+# the glue between a layer's big kernels was most of its ~70 launches
+# (H200, bench.py layers, 2026-11-30). Each kernel here replaces a run of them and rounds where its twin's ops round
+# (every PyTorch op rounds its result to the tensor's dtype), so rope and the residual add are bit-exact in 16-bit
+# dtypes (in fp32 the GPU compiler fuses rope's product and sum into an FMA); norms and sigmoids differ only in
+# reduction order and exp.
+
+
+@triton.jit
+def _normalize(x, N, EPS: tl.constexpr):
+    # RMSNorm without the weight: fp32 statistics, the result rounded to x's dtype (then the caller scales)
+    xf = x.to(tl.float32)
+    return (xf * tl.rsqrt(tl.sum(xf * xf, 0) / N + EPS)).to(x.dtype)
+
+
+@triton.jit
+def _scale(w, y, dtype: tl.constexpr):
+    return (w.to(tl.float32) * y.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _rotate(x, partner, cos, sin):
+    # x * cos + partner * sin, each product rounded to x's dtype before the sum (rope_ref's four ops)
+    a = (x.to(tl.float32) * cos.to(tl.float32)).to(x.dtype)
+    b = (partner.to(tl.float32) * sin.to(tl.float32)).to(x.dtype)
+    return (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _partner(cols, P: tl.constexpr, INTERLEAVED: tl.constexpr):
+    # the column a rope pair rotates against: adjacent (x[2i], x[2i+1]) for DeepSeek/K2, halves (x[i], x[i+P/2]) for
+    # Qwen3 (the drafter)
+    if INTERLEAVED:
+        return cols ^ 1
+    else:
+        return (cols + P // 2) % P
 
 
 @triton.jit
@@ -739,11 +812,9 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_row, N, EPS: tl.constexpr, BLOC
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(x_ptr + row * stride_row + cols, mask=mask, other=0.0)
-    xf = x.to(tl.float32)
-    y = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / N + EPS)).to(x.dtype)
+    y = _normalize(tl.load(x_ptr + row * stride_row + cols, mask=mask, other=0.0), N, EPS)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(y_ptr + row * N + cols, (w.to(tl.float32) * y.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * N + cols, _scale(w, y, y_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -757,7 +828,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     BLOCK = triton.next_power_of_2(N)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), N, EPS=float(eps), BLOCK=BLOCK,
-                                       num_warps=min(8, max(1, BLOCK // 512)))
+                                       num_warps=_row_warps(BLOCK))
     return out
 
 
@@ -766,6 +837,224 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def _row_warps(block: int) -> int:
+    return min(8, max(1, block // 512))
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, N, EPS: tl.constexpr, BLOCK: tl.constexpr):
+    # s = x + r (the residual stream, rounded like the PyTorch add), y = RMSNorm(s): one read of each input
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
+    s = (x.to(tl.float32) + tl.load(r_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+    tl.store(s_ptr + row * N + cols, s, mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(y_ptr + row * N + cols, _scale(w, _normalize(s, N, EPS), y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:
+    """(x + r, rms_norm(x + r)): a residual add and the next norm in one launch. x, r: [..., N], one dtype."""
+    N = x.shape[-1]
+    assert HAS_TRITON, "triton is not installed; call add_rms_norm_ref"
+    assert r.shape == x.shape and r.dtype == x.dtype, f"r {r.dtype} {tuple(r.shape)} vs x {x.dtype} {tuple(x.shape)}"
+    assert weight.shape == (N,) and weight.is_contiguous(), f"weight: want contiguous [{N}], got {tuple(weight.shape)}"
+    x, r = x.contiguous(), r.contiguous()
+    s = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    n_rows = x.numel() // N if N else 0
+    if n_rows:
+        BLOCK = triton.next_power_of_2(N)
+        _add_rms_norm_kernel[(n_rows,)](x, r, weight, s, y, N, EPS=float(eps), BLOCK=BLOCK, num_warps=_row_warps(BLOCK))
+    return s, y
+
+
+def add_rms_norm_ref(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:
+    s = x + r
+    return s, rms_norm_ref(s, weight, eps)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, sx_b, sx_t, sx_h, sc_b, sc_t,
+                 P: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
+    # program n = one token (b, t): its H heads x P rope columns; y is contiguous [B, T, H, P]
+    n = tl.program_id(0).to(tl.int64)
+    b, t = n // T, n % T
+    h = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, P)[None, :]
+    mask = h < H
+    x_row = x_ptr + b * sx_b + t * sx_t + h * sx_h
+    x = tl.load(x_row + cols, mask=mask, other=0.0)
+    partner = tl.load(x_row + _partner(cols, P, INTERLEAVED), mask=mask, other=0.0)
+    c = b * sc_b + t * sc_t + cols
+    y = _rotate(x, partner, tl.load(cos_ptr + c), tl.load(sin_ptr + c))
+    tl.store(y_ptr + (n * H + h) * P + cols, y, mask=mask)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+    """x [B, T, H, P] or [B, T, P], cos / sin [B, T, P] (the rope_cos_sin layouts; any strides with a contiguous
+    last dim, e.g. the q_pe slice of q) -> rotated x, contiguous. interleaved: pairs (x[2i], x[2i+1]) (DeepSeek /
+    K2); else (x[i], x[i + P/2]) (Qwen3, the drafter)."""
+    assert HAS_TRITON, "triton is not installed; call rope_ref"
+    B, T, P = x.shape[0], x.shape[1], x.shape[-1]
+    x4 = x if x.dim() == 4 else x.unsqueeze(2)                                       # [B, T, H, P]
+    assert cos.shape == sin.shape == (B, T, P) and cos.stride() == sin.stride(), \
+        f"cos / sin: want [{B}, {T}, {P}] with one layout, got {tuple(cos.shape)} {tuple(sin.shape)}"
+    assert cos.dtype == sin.dtype == x.dtype, f"x, cos, sin: one dtype, got {x.dtype} {cos.dtype} {sin.dtype}"
+    assert P >= 2 and P & (P - 1) == 0, f"rope dim {P} must be a power of two"
+    assert x4.stride(-1) == 1 and cos.stride(-1) == 1, "x, cos, sin: the rope dim must be contiguous"
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel():
+        H = x4.shape[2]
+        _rope_kernel[(B * T,)](x4, cos, sin, y, T, H, *x4.stride()[:3], *cos.stride()[:2], P=P,
+                               BLOCK_H=triton.next_power_of_2(H), INTERLEAVED=interleaved)
+    return y
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+    """x * cos + partner(x) * sin in four elementwise ops; the sign of the rotation sits in sin (see rope)."""
+    if x.dim() == 4:
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    if interleaved:
+        partner = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)                     # (x2, x1) per adjacent pair
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+        partner = torch.cat([x2, x1], dim=-1)                                        # rotate_half without the sign
+    return x * cos + partner * sin
+
+
+@triton.jit
+def _mla_latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, slots_ptr, cache_ptr, T, stride_cb, stride_cs,
+                       R: tl.constexpr, P: tl.constexpr, EPS: tl.constexpr):
+    # program n = token (b, t): cache[b, slots[n]] = (kv_a_layernorm(kv[n, :R]), rope(kv[n, R:]))
+    n = tl.program_id(0).to(tl.int64)
+    dst = cache_ptr + (n // T) * stride_cb + tl.load(slots_ptr + n) * stride_cs
+    src = kv_ptr + n * (R + P)
+    r = tl.arange(0, R)
+    c_kv = _normalize(tl.load(src + r), R, EPS)
+    tl.store(dst + r, _scale(tl.load(w_ptr + r), c_kv, dst.dtype.element_ty))
+    p = tl.arange(0, P)
+    k_pe = tl.load(src + R + p)
+    partner = tl.load(src + R + _partner(p, P, True))
+    tl.store(dst + R + p, _rotate(k_pe, partner, tl.load(cos_ptr + n * P + p), tl.load(sin_ptr + n * P + p)))
+
+
+def mla_latent_to_cache(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                        cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """The new tokens' compressed-cache rows, written in place: kv [B, T, R+P] (kv_a_proj_with_mqa's output) ->
+    cache[b, slots[b, t]] = (RMSNorm(kv[..., :R]) * weight, rope(kv[..., R:])), one launch instead of the norm,
+    rope, cat and scatter (~8). cache [Bmax, S, R+P], slots [B, T] int64, cos / sin [B, T, P]."""
+    assert HAS_TRITON, "triton is not installed; call mla_latent_to_cache_ref"
+    B, T, C = kv.shape
+    R = weight.shape[0]
+    P = C - R
+    assert cache.dim() == 3 and cache.shape[0] >= B and cache.shape[2] == C and cache.stride(2) == 1, \
+        f"cache {tuple(cache.shape)}: want [>= {B}, S, {C}] with a contiguous last dim"
+    assert slots.shape == (B, T) and slots.dtype == torch.int64 and slots.is_contiguous(), "slots: contiguous int64 [B, T]"
+    assert cos.shape == sin.shape == (B, T, P) and cos.is_contiguous() and sin.is_contiguous(), f"cos / sin: [{B}, {T}, {P}]"
+    assert kv.dtype == weight.dtype == cache.dtype == cos.dtype, \
+        f"kv, weight, cache, cos: one dtype, got {kv.dtype} {weight.dtype} {cache.dtype} {cos.dtype}"
+    for n in (R, P):
+        assert n >= 2 and n & (n - 1) == 0, f"R={R} and P={P} must be powers of two"
+    assert kv.is_contiguous() and weight.is_contiguous(), "kv, weight: contiguous"
+    if B * T:
+        _mla_latent_kernel[(B * T,)](kv, weight, cos, sin, slots, cache, T, cache.stride(0), cache.stride(1),
+                                     R=R, P=P, EPS=float(eps), num_warps=_row_warps(R))
+
+
+def mla_latent_to_cache_ref(kv, weight, eps: float, cos, sin, cache, slots) -> None:
+    R = weight.shape[0]
+    latent = torch.cat([rms_norm_ref(kv[..., :R], weight, eps), rope_ref(kv[..., R:], cos, sin)], dim=-1)
+    B, T, C = latent.shape
+    cache[:B].scatter_(1, slots[:, :, None].expand(B, T, C), latent.to(cache.dtype))
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)                                       # F.silu, rounded
+    tl.store(y_ptr + offs, (a.to(tl.float32) * tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(g.dtype),
+             mask=mask)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(g) * u in one launch (g, u: one shape and dtype)."""
+    assert HAS_TRITON, "triton is not installed; call silu_mul_ref"
+    assert g.shape == u.shape and g.dtype == u.dtype, f"g {g.dtype} {tuple(g.shape)} vs u {u.dtype} {tuple(u.shape)}"
+    g, u = g.contiguous(), u.contiguous()
+    y = torch.empty_like(g)
+    if g.numel():
+        BLOCK = 1024
+        _silu_mul_kernel[(triton.cdiv(g.numel(), BLOCK),)](g, u, y, g.numel(), BLOCK=BLOCK)
+    return y
+
+
+def silu_mul_ref(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
+
+
+@triton.jit
+def _moe_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, K_POW2: tl.constexpr,
+                     NORM: tl.constexpr, SCALE: tl.constexpr, E_POW2: tl.constexpr):
+    # program n = token: sigmoid scores, top-K of score + bias by repeated argmax (ties: lowest expert id), weights =
+    # the chosen scores (without the bias), renormalized, times the routed scaling factor
+    n = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_POW2)
+    score = tl.sigmoid(tl.load(logits_ptr + n * E + e, mask=e < E, other=0.0))
+    choice = tl.where(e < E, score + tl.load(bias_ptr + e, mask=e < E, other=0.0), float("-inf"))
+    k = tl.arange(0, K_POW2)
+    ids = tl.zeros([K_POW2], dtype=tl.int32)
+    w = tl.zeros([K_POW2], dtype=tl.float32)
+    for j in tl.static_range(K):
+        best = tl.min(tl.where(choice == tl.max(choice, 0), e, E_POW2), 0)
+        ids = tl.where(k == j, best, ids)
+        w = tl.where(k == j, tl.sum(tl.where(e == best, score, 0.0), 0), w)
+        choice = tl.where(e == best, float("-inf"), choice)
+    if NORM:
+        w = w / (tl.sum(w, 0) + 1e-20)
+    tl.store(w_ptr + n * K + k, w * SCALE, mask=k < K)
+    tl.store(ids_ptr + n * K + k, ids.to(tl.int64), mask=k < K)
+
+
+def moe_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float,
+             n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """noaux_tc routing after the router matmul: logits [N, E] fp32, bias [E] fp32 -> (weights [N, k] fp32, expert
+    ids [N, k] int64), ids in descending order of score + bias. One launch instead of ~9 ops. Group-limited routing
+    (n_group > 1, DeepSeek-V3) is left to moe_topk_ref: K2 / K2.6 use one group."""
+    assert HAS_TRITON, "triton is not installed; call moe_topk_ref"
+    assert n_group == 1, "moe_topk: group-limited routing (n_group > 1) runs in moe_topk_ref"
+    N, E = logits.shape
+    assert logits.dtype == bias.dtype == torch.float32 and bias.shape == (E,), "logits [N, E], bias [E]: float32"
+    assert 1 <= top_k <= E and logits.is_contiguous() and bias.is_contiguous(), f"top_k {top_k}, E {E}; contiguous"
+    w = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
+    if N:
+        _moe_topk_kernel[(N,)](logits, bias, w, ids, E, K=top_k, K_POW2=triton.next_power_of_2(top_k), NORM=norm,
+                               SCALE=float(scale), E_POW2=triton.next_power_of_2(E))
+    return w, ids
+
+
+def moe_topk_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float,
+                 n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = logits.sigmoid()                                                           # [N, E]
+    choice = scores + bias                  # the bias steers the choice only; the weights are the plain scores
+    if n_group > 1:
+        grouped = choice.view(logits.shape[0], n_group, -1)                             # [N, G, E/G]
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)                               # [N, G]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1)[1], True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+    ids = choice.topk(top_k, dim=-1)[1]                                                 # [N, k]
+    w = scores.gather(1, ids)
+    if norm:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scale, ids
 
 
 # ----------------------------------------------------------------------------------------------------------

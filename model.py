@@ -342,9 +342,20 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one Triton launch on a GPU; under torch.compile the PyTorch form, which inductor fuses by itself
-        if kernels.use_triton(x.device) and not torch.compiler.is_compiling():
+        if fused(x.device):
             return kernels.rms_norm(x, self.weight, self.eps)
         return kernels.rms_norm_ref(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + r, self(x + r)): a residual add and this norm, in one launch on a GPU."""
+        fn = kernels.add_rms_norm if fused(x.device) else kernels.add_rms_norm_ref
+        return fn(x, r, self.weight, self.eps)
+
+
+def fused(device) -> bool:
+    """Use the small Triton glue kernels (norms, rope, routing, SwiGLU): on a GPU, outside torch.compile (inductor
+    fuses the PyTorch forms by itself, and re-generating user kernels from their source is fragile)."""
+    return kernels.use_triton(device) and not torch.compiler.is_compiling()
 
 
 class ParallelEmbedding(nn.Module):
@@ -416,11 +427,11 @@ def rope_cos_sin(inv_freq: torch.Tensor, attn_factor: float, positions: torch.Te
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs (x1, x2) = (x[2i], x[2i+1]) of x [B, T, (H,) P] by the angles in cos/sin
     [B, T, P] from rope_cos_sin: x * (cos, cos) + (x2, x1) * (-sin, sin) = (x1 cos - x2 sin, x2 cos + x1 sin),
-    bit for bit (the sign sits in sin), in four elementwise kernels."""
-    if x.dim() == 4:
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)                  # (x2, x1) per pair
-    return x * cos + swapped * sin
+    bit for bit (the sign sits in sin): four elementwise ops (kernels.rope_ref), or one launch on a GPU."""
+    P = x.shape[-1]
+    if fused(x.device) and P & (P - 1) == 0:
+        return kernels.rope(x, cos, sin)
+    return kernels.rope_ref(x, cos, sin)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -458,16 +469,19 @@ class MLA(nn.Module):
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         q_pe = apply_rope(q_pe, cos, sin)
         kv = self.kv_a_proj_with_mqa(x)                                                         # [B, T, R+P]
-        c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
-        latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin)], dim=-1)   # [B, T, R+P]
 
         if cache is None:
+            c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
+            latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin)], dim=-1)   # [B, T, R+P]
             mask = tree_mask if tree_mask is not None else _causal(T, x.device).expand(B, T, T)
             o = self._naive(q_nope, q_pe, latent, mask)
         else:
             if slots is None:
                 slots = _slots(start_pos, B, T, x.device)                                      # [B, T]
-            cache[:B].scatter_(1, slots[:, :, None].expand(B, T, latent.shape[-1]), latent.to(cache.dtype))
+            # the new rows of the compressed cache: kv_a_layernorm(c_kv) | rope(k_pe), written at their slots
+            fits = self.kv_lora_rank & (self.kv_lora_rank - 1) == 0 and self.rope & (self.rope - 1) == 0
+            write = kernels.mla_latent_to_cache if fused(x.device) and fits else kernels.mla_latent_to_cache_ref
+            write(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, cache, slots)
             if tree_mask is None:
                 tree_mask = _causal(T, x.device).expand(B, T, T)
             if absorb:
@@ -547,7 +561,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, dim)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        silu_mul = kernels.silu_mul if fused(x.device) else kernels.silu_mul_ref
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DenseMLP(MLP):
@@ -574,19 +589,11 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] fp32, expert ids [N, k])"""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()        # [N, E]; .float() is free on fp32
-        choice = scores + self.e_score_correction_bias
-        if self.n_group > 1:
-            grouped = choice.view(x.shape[0], self.n_group, -1)                               # [N, G, E/G]
-            group_scores = grouped.topk(2, dim=-1)[0].sum(-1)                                 # [N, G]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1)[1], True)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
-        ids = choice.topk(self.top_k, dim=-1)[1]                                              # [N, k]
-        w = scores.gather(1, ids)
-        if self.norm:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w * self.scale, ids
+        logits = F.linear(x.float(), self.weight.float())                 # [N, E]; .float() is free on fp32
+        # sigmoid, + bias, top-k, gather, renormalize, scale: one launch on a GPU (K2.6 has one expert group)
+        route = kernels.moe_topk if fused(x.device) and self.n_group == 1 else kernels.moe_topk_ref
+        return route(logits, self.e_score_correction_bias, self.top_k, self.norm, self.scale, self.n_group,
+                     self.topk_group)
 
 
 class Experts(nn.Module):
@@ -655,8 +662,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x, cos, sin, cache, start_pos, tree_mask, absorb, slots=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos, tree_mask, absorb, slots)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos, tree_mask, absorb, slots)
+        x, h = self.post_attention_layernorm.add(x, attn)                  # x + attn and its norm, one launch
+        return x + self.mlp(h)
 
 
 # Below this many new tokens the cache path uses absorbed MLA (decode, verify: memory-bound); above it,

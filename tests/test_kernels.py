@@ -299,6 +299,105 @@ def test_rms_norm_kernel(shape, N, w_fp32, dtype):
         assert_close(y, ref, TOL[dtype], f"rms_norm {shape} {N} {dtype}")
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("layout", ["q_pe slice", "3d", "cos slice"])
+def test_rope_kernel_bit_exact(layout, interleaved, dtype):
+    """One-launch rope == the four-op form, bit for bit in 16-bit dtypes (the kernel rounds each product like the
+    PyTorch ops; in fp32 a GPU fuses product and sum into one FMA, a last-bit difference). Inputs:
+    the q_pe slice of q (strided heads), a [B, T, P] tensor, and cos / sin sliced out of a longer [B, T', P] (the
+    drafter splits one cos table into context and block rows)."""
+    g = torch.Generator().manual_seed(len(layout) + interleaved)
+    B, T, H, P = 2, 5, 3, 16
+    rnd = lambda *shape: (torch.randn(*shape, generator=g) * 4).to(dtype).to(KERNEL_DEVICE)
+    cos, sin = rnd(B, T + 3, P), rnd(B, T + 3, P)
+    cos, sin = (cos[:, 3:], sin[:, 3:]) if layout == "cos slice" else (cos[:, :T].contiguous(), sin[:, :T].contiguous())
+    x = rnd(B, T, P) if layout == "3d" else rnd(B, T, H, 8 + P)[..., 8:]
+    y = kernels.rope(x, cos, sin, interleaved)
+    assert y.is_contiguous() and y.shape == x.shape
+    ref = kernels.rope_ref(x, cos, sin, interleaved)
+    if dtype == torch.float32:      # no rounding between the product and the sum: the GPU compiler fuses them (FMA)
+        assert_close(y, ref, 1e-6, f"rope {layout} {interleaved} {dtype}")
+    else:
+        assert torch.equal(y, ref), f"rope {layout} {interleaved} {dtype}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 7168), (2, 9, 96), (0, 3, 64)])
+def test_add_rms_norm_kernel(shape, dtype):
+    """Residual add + RMSNorm in one launch: the sum bit-exact, the norm to rounding."""
+    g = torch.Generator().manual_seed(shape[-1])
+    x, r = [(torch.randn(*shape, generator=g) * 3).to(dtype).to(KERNEL_DEVICE) for _ in range(2)]
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype).to(KERNEL_DEVICE)
+    (s, y), (s_ref, y_ref) = kernels.add_rms_norm(x, r, w, 1e-6), kernels.add_rms_norm_ref(x, r, w, 1e-6)
+    assert torch.equal(s, s_ref) and y.dtype == y_ref.dtype and y.shape == y_ref.shape
+    if y.numel():
+        assert_close(y, y_ref, TOL[dtype], f"add_rms_norm {shape} {dtype}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("B, T", [(1, 1), (2, 9)])
+def test_mla_latent_to_cache_kernel(B, T, dtype):
+    """The new compressed-cache rows (norm | rope) land at their slots, rows elsewhere stay as they were."""
+    g = torch.Generator().manual_seed(B * 100 + T)
+    R, P, S = 32, 16, 40
+    rnd = lambda *shape: (torch.randn(*shape, generator=g) * 2).to(dtype).to(KERNEL_DEVICE)
+    kv, cos, sin, w = rnd(B, T, R + P), rnd(B, T, P), rnd(B, T, P), rnd(R)
+    slots = (torch.tensor([3, 20][:B])[:, None] + torch.arange(T)).to(KERNEL_DEVICE)       # [B, T]
+    cache = rnd(B + 1, S, R + P)                                                              # a spare batch row too
+    ref = cache.clone()
+    kernels.mla_latent_to_cache(kv, w, 1e-6, cos, sin, cache, slots)
+    kernels.mla_latent_to_cache_ref(kv, w, 1e-6, cos, sin, ref, slots)
+    assert_close(cache, ref, TOL[dtype], f"latent B={B} T={T} {dtype}")
+    assert torch.equal(cache[..., R:], ref[..., R:]), "the rope half is bit-exact"
+    written = torch.zeros(B + 1, S, dtype=torch.bool)
+    written[torch.arange(B)[:, None], slots.cpu()] = True
+    assert torch.equal(cache[~written.to(KERNEL_DEVICE)], ref[~written.to(KERNEL_DEVICE)]), "rows off the slots changed"
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+def test_silu_mul_kernel(dtype):
+    g = torch.Generator().manual_seed(0)
+    a, b = [(torch.randn(3, 1500, generator=g) * 4).to(dtype).to(KERNEL_DEVICE) for _ in range(2)]
+    assert_close(kernels.silu_mul(a, b), kernels.silu_mul_ref(a, b), TOL[dtype], f"silu_mul {dtype}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("N, E, k, norm", [(1, 384, 8, True), (9, 384, 8, True), (5, 8, 2, False), (3, 16, 16, True)])
+def test_moe_topk_kernel(N, E, k, norm):
+    """Routing in one launch == sigmoid / bias / topk / renormalize / scale: the same experts in the same order."""
+    g = torch.Generator().manual_seed(N * E + k)
+    logits = (torch.randn(N, E, generator=g) * 3).to(KERNEL_DEVICE)
+    bias = (torch.randn(E, generator=g) * 0.1).to(KERNEL_DEVICE)
+    w, ids = kernels.moe_topk(logits, bias, k, norm, 2.827)
+    w_ref, ids_ref = kernels.moe_topk_ref(logits, bias, k, norm, 2.827)
+    assert ids.dtype == torch.int64 and torch.equal(ids, ids_ref), f"{ids} vs {ids_ref}"
+    assert_close(w, w_ref, 1e-5, f"moe_topk weights N={N} E={E} k={k}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("T, E, K", [(1, 384, 8), (9, 384, 8), (17, 8, 2), (3, 16, 4), (64, 384, 8), (5, 7, 7)])
+def test_moe_sort(T, E, K, monkeypatch):
+    """One-program pair sort (decode / verify) == the torch.sort path (prefill): the same slot table, and each
+    used expert's pairs are exactly the pairs that chose it (E = 8, 16: a power of two, so the padding bin is E)."""
+    monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
+    g = torch.Generator().manual_seed(T * E)
+    ids = torch.rand(T, E, generator=g).topk(K, dim=-1).indices.to(KERNEL_DEVICE)          # [T, K] distinct per row
+    pair_ids, slots = kernels._moe_sort(ids, E)
+    monkeypatch.setattr(kernels, "MOE_SORT_MAX_PAIRS", 0)
+    pair_ref, slots_ref = kernels._moe_sort(ids, E)
+    assert torch.equal(slots, slots_ref), f"{slots} vs {slots_ref}"
+    flat = ids.view(-1).cpu()
+    for e, first, count in slots.tolist():
+        mine = pair_ids[first:first + count].cpu()
+        assert torch.equal(mine, pair_ref[first:first + count].cpu().sort().values), "pairs of an expert, in order"
+        assert (flat[mine] == e).all() and count == int((flat == e).sum()) or count == 0
+
+
 ATTN_CASES = [  # T, H, prefixes (B = len), mask kind, tiles: "default" or "small" (short splits, several per row)
     (1, 4, [0, 100], "chain", "default"),
     (9, 2, [1, 100], "bushy", "small"),
@@ -334,8 +433,10 @@ def test_mla_tree_attention_kernel(T, H, prefixes, kind, tiles, dtype, monkeypat
 
 @pytest.mark.skipif(KERNEL_DEVICE is not None or not kernels.HAS_TRITON, reason="kernels run directly here")
 def test_kernels_under_triton_interpreter():
-    tests = [f"{__file__}::test_fused_moe_kernel", f"{__file__}::test_mla_tree_attention_kernel",
-             f"{__file__}::test_moe_prep_f16_packing", f"{__file__}::test_rms_norm_kernel"]
+    names = ["fused_moe_kernel", "mla_tree_attention_kernel", "moe_prep_f16_packing", "rms_norm_kernel",
+             "rope_kernel_bit_exact", "add_rms_norm_kernel", "mla_latent_to_cache_kernel", "silu_mul_kernel",
+             "moe_topk_kernel", "moe_sort"]
+    tests = [f"{__file__}::test_{name}" for name in names]
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
