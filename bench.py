@@ -501,7 +501,16 @@ def step_inputs(args: M.ModelArgs, T: int, ctx: int, tree: str, device, dtype, s
     inv_freq, attn_factor = M.rope_inv_freq(args)
     cos, sin = M.rope_cos_sin(inv_freq, attn_factor, positions, dtype)
     x = torch.randn(1, T, args.hidden_size, generator=g).to(device, dtype)               # [1, T, D]
-    return dict(x=x, cos=cos, sin=sin, mask=mask[None].to(device), positions=positions)
+    # what Transformer.forward computes once for all 61 layers, so not part of one layer's step: the start as a
+    # tensor (a captured decode step's), the new tokens' cache slots and the mask rows packed into int64 words
+    start = torch.tensor([ctx], device=device)                                           # [1]
+    return dict(x=x, cos=cos, sin=sin, mask=mask[None].to(device), positions=positions, start=start,
+                slots=M._slots(start, 1, T, device), bits=kernels.tree_mask_bits(mask[None].to(device)))
+
+
+def layer_step(block: M.Block, s: dict, cache: torch.Tensor):
+    """One layer's decode / verify step as Transformer.forward runs it (absorbed MLA, per-forward inputs given)."""
+    return lambda: block(s["x"], s["cos"], s["sin"], cache, s["start"], s["bits"], True, s["slots"])
 
 
 def routed_ids(block: M.Block, step) -> torch.Tensor | None:
@@ -598,13 +607,12 @@ def time_block(block: M.Block, args: M.ModelArgs, kind: str, a, device, dtype, b
         cache = randn((1, ctx + max(a.T), C), device, dtype, seed=ctx)                   # [1, S, R+P]
         for T in a.T:
             s = step_inputs(args, T, ctx, a.tree, device, dtype, a.seed)
-            step = lambda: block(s["x"], s["cos"], s["sin"], cache, ctx, s["mask"], True)
+            step = layer_step(block, s, cache)
             ids = routed_ids(block, step)
             eager, graph, why = time_step(step, device, a.graph)
             compiled, why_c = (None, None)
             if a.compile:
-                compiled, why_c = time_compiled(lambda: cblock(s["x"], s["cos"], s["sin"], cache, ctx, s["mask"],
-                                                               True), device)
+                compiled, why_c = time_compiled(layer_step(cblock, s, cache), device)
             kern = kernel_times(step, device)
             nbytes = step_bytes(block, ids, ctx, T, C * cache.element_size())
             best = min(t for t in (eager, graph, compiled) if t is not None)
@@ -991,7 +999,7 @@ def peer_rows(block, args, hlayer, hc, kind: str, a, device, dtype) -> list[dict
                            position_embeddings=pos_emb)
                 past.crop(-T)           # back to ctx cached tokens: every call is the same step
                 return y
-            ours = lambda: block(s["x"], s["cos"], s["sin"], cache, ctx, s["mask"], True)
+            ours = layer_step(block, s, cache)
             err = rel_err(ours(), theirs())
             t_ours, t_graph, _ = time_step(ours, device, a.graph)
             t_peer = median_time(theirs, device)

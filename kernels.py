@@ -5,7 +5,9 @@ Triton kernels for the two hot spots of a Kimi K2.6 decode / tree-verify step, p
                         GEMV for decode / verify (dequantization in ~20 PTX instructions per int32 word), tl.dot
                         tiles for prefill
     mla_tree_attention  absorbed-MLA attention over the compressed cache, with a tree mask for the new tokens
-    rms_norm            RMSNorm in one launch instead of eight
+    rms_norm            RMSNorm in one launch instead of eight; with it the rest of a layer's decode glue (rope, the
+                        cache write, add + norm, SwiGLU, routing top-k, the MoE pair sort), one launch each
+    ddtree_search       the DDTree best-first search (tree.py) in one launch
     pack_int4 / unpack_int4 / dequant_int4_ref   the single source of truth for the INT4 bit order
 
 Invariant: every kernel == its *_ref twin. The twin has the same signature, is plain PyTorch, runs anywhere
@@ -613,7 +615,7 @@ def _split_len(L, NUM_SPLITS, MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
 
 @triton.jit
 def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, bits_ptr, o_ptr, lse_ptr,
-                      sm_scale, T, H, NUM_SPLITS, stride_cb, stride_cs,
+                      sm_scale, T, H, NUM_SPLITS, stride_cb, stride_cs, stride_qb, stride_qt, stride_qh,
                       R: tl.constexpr, P: tl.constexpr, MIN_SPLIT: tl.constexpr,
                       BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr):
     # grid (q block, split, b): the q blocks of one split are launched next to each other, so the cache tiles that
@@ -628,12 +630,14 @@ def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, bits_ptr, o_pt
         return
     s_end = tl.minimum(s_start + split_len, L)
 
-    # query rows r = t*H + h of row b (q is [B, T, H, .] contiguous, so [B, T*H, .])
+    # query rows r = t*H + h of row b (q_pe is [B, T, H, P] contiguous, so [B, T*H, P]; q_lat may be strided: it is
+    # the absorbed-query einsum's output, read in place)
     rows = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     row_mask = rows < T * H
     offs_r = tl.arange(0, R)
     offs_p = tl.arange(0, P)
-    q_lat = tl.load(q_lat_ptr + (b * T * H + rows)[:, None] * R + offs_r[None, :], mask=row_mask[:, None], other=0.0)
+    q_rows = q_lat_ptr + b * stride_qb + (rows // H) * stride_qt + (rows % H) * stride_qh
+    q_lat = tl.load(q_rows[:, None] + offs_r[None, :], mask=row_mask[:, None], other=0.0)
     q_pe = tl.load(q_pe_ptr + (b * T * H + rows)[:, None] * P + offs_p[None, :], mask=row_mask[:, None], other=0.0)
     bits = tl.load(bits_ptr + b * T + rows // H, mask=row_mask, other=0)       # [BLOCK_Q] int64 tree-mask words
 
@@ -713,10 +717,11 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     assert q_lat.dtype == q_pe.dtype == cache.dtype, f"dtypes differ: {q_lat.dtype}, {q_pe.dtype}, {cache.dtype}"
     for n in (R, P):
         assert n >= 16 and n & (n - 1) == 0, f"R={R} and P={P} must be powers of two >= 16 (tl.arange, tl.dot)"
-    for name, t in dict(q_lat=q_lat, q_pe=q_pe, cache=cache, prefix_len=prefix_len).items():
+    for name, t in dict(q_pe=q_pe, cache=cache, prefix_len=prefix_len).items():
         assert t.is_contiguous(), f"{name} must be contiguous"
+    assert q_lat.stride(-1) == 1, "q_lat: the latent (last) dim must be contiguous"
     if out is None:
-        out = torch.empty_like(q_lat)
+        out = torch.empty(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)
     assert out.shape == q_lat.shape and out.dtype == q_lat.dtype and out.is_contiguous(), "out: like q_lat, contiguous"
 
     cfg = ATTN_BLOCKS
@@ -734,7 +739,8 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     lse_part = _empty((B, num_splits, T * H), torch.float32, q_lat.device)
     _mla_split_kernel[(n_qblocks, num_splits, B)](
         q_lat, q_pe, cache, prefix_len, bits, o_part, lse_part,
-        softmax_scale, T, H, num_splits, cache.stride(0), cache.stride(1), R=R, P=P, MIN_SPLIT=MIN_SPLIT, **cfg)
+        softmax_scale, T, H, num_splits, cache.stride(0), cache.stride(1), *q_lat.stride()[:3],
+        R=R, P=P, MIN_SPLIT=MIN_SPLIT, **cfg)
     BLOCK_R = min(R, 64)
     _mla_merge_kernel[(B, T * H, R // BLOCK_R)](
         o_part, lse_part, prefix_len, out, T, H, num_splits,
@@ -770,8 +776,8 @@ def mla_tree_attention_ref(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_sc
 # µs of gap even inside a CUDA graph (RMSNorm alone is 7-8 ops: cast, pow, mean, add, rsqrt, mul, cast, mul), and
 # the glue between a layer's big kernels was most of its ~70 launches
 # (H200, bench.py layers, 2026-11-30). Each kernel here replaces a run of them and rounds where its twin's ops round
-# (every PyTorch op rounds its result to the tensor's dtype), so rope and the residual add are bit-exact in 16-bit
-# dtypes (in fp32 the GPU compiler fuses rope's product and sum into an FMA); norms and sigmoids differ only in
+# (every PyTorch op rounds its result to the tensor's dtype): the residual add is bit-exact, rope within one rounding
+# (the compiled kernel differed in the last bit of some elements on the H200), norms and sigmoids differ only in
 # reduction order and exp.
 
 
@@ -789,7 +795,7 @@ def _scale(w, y, dtype: tl.constexpr):
 
 @triton.jit
 def _rotate(x, partner, cos, sin):
-    # x * cos + partner * sin, each product rounded to x's dtype before the sum (rope_ref's four ops)
+    # x * cos + partner * sin, each product rounded to x's dtype before the sum, as rope_ref's four ops round
     a = (x.to(tl.float32) * cos.to(tl.float32)).to(x.dtype)
     b = (partner.to(tl.float32) * sin.to(tl.float32)).to(x.dtype)
     return (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
@@ -1055,6 +1061,167 @@ def moe_topk_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: boo
     if norm:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
     return w * scale, ids
+
+
+# ----------------------------------------------------------------------------------------------------------
+# DDTree search in one launch (tree.py builds the same tree in ~65 ops: per-depth sorts, gathers, a radix sort of
+# packed rank tuples; ~250 us per step on an H200 with a 4352-token vocabulary, launch-bound). Definitions (ranks,
+# scores, keys, padding): tree.py's module docstring. One program per batch row runs the best-first search of
+# tree.build_tree_ref with the heap replaced by a pool of 2B candidate slots held in registers:
+#   slots     popping node i pushes at most two candidates, its next sibling (slot 2i) and its first child (slot
+#             2i+1); the root's first child starts in slot 1
+#   order     a pop takes the live candidate with the largest score, ties to the smallest rank tuple. Instead of
+#             packing whole tuples, each live candidate keeps `pos`, its rank in tuple order among the live ones.
+#             Live tuples never contain one another (a candidate's proper prefixes are all popped), so when t at
+#             position P is popped, its first child (t, 0) takes P and its next sibling comes right after (P+1):
+#             no live tuple lies between t and either of them; every live candidate after P moves up by one.
+#   key       one int64 per slot orders the pool like the heap: bits 63..32 the score's float32 bits mapped to an
+#             order-preserving int32 (decoded back bit-exactly), bits 31..24 255 - pos, bits 23..0 parent | depth
+#             << 8 | rank << 16. Live positions are distinct, so one tl.max pops the unique best and decodes it.
+# Invariant (the heap's): after i pops the live slots are exactly the heap's entries, so the max key is the
+# (i+1)-th prefix in key order; scores are accumulated like the reference (parent score + logp in float32, from
+# the root's 0.0). When no slot is live (V tiny) the remaining nodes are padding. Twin: tree.build_tree_ops.
+
+TREE_MAX_BUDGET = 64    # parents are nodes < 64, so a parent's mask row fits one int64 (node 64 is never a parent)
+TREE_MAX_DEPTH = 255    # depth is an 8-bit field of the key's payload
+
+
+@triton.jit
+def _sortable(x):
+    # float32 -> int32 with the same order (x non-NaN; -0.0 sorts below 0.0, scores are never -0.0).
+    # An involution on the int32 bits: flip the magnitude bits of negative floats.
+    b = x.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _unsortable(m):
+    # the inverse of _sortable: int32 -> the float32 it came from, bit for bit
+    return (m ^ ((m >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key(score, pos, parent, depth, rank):
+    # a candidate's int64 key (see the module doc); the int64 casts come before the shifts
+    return (tl.cast(_sortable(score), tl.int64) << 32) | (tl.cast(255 - pos, tl.int64) << 24) \
+        | tl.cast(parent | (depth << 8) | (rank << 16), tl.int64)
+
+
+@triton.jit
+def _tree_kernel(lp_ptr, tok_ptr, roots_ptr,          # [b, L, K] f32, [b, L, K] i64 (last stride 1), [b] i64
+                 tokens_ptr, parents_ptr, depths_ptr,  # [b, N] i64 each
+                 scores_ptr, valid_ptr, bits_ptr,      # [b, N] f32, [b, N] i8 (a bool view), [b, N] i64
+                 mask_ptr,                             # [b, N, N] i8 (a bool view)
+                 lp_sb, lp_sd, tok_sb, tok_sd,         # batch / depth strides of lp and tok
+                 L, K, B,                              # depths, ranks kept per depth (min(B, V)), budget
+                 NODES: tl.constexpr,                  # next_power_of_2(B + 1): mask row width
+                 PARENTS: tl.constexpr,                # next_power_of_2(B): nodes 0..B-1, the ones that can be parents
+                 SLOTS: tl.constexpr):                 # next_power_of_2(2 * B): the pool
+    NEG_INF: tl.constexpr = float("-inf")
+    # a dead slot: below every live key (a score of -inf maps to a larger top word), and with its
+    # position field at 255 it never counts as "after" the popped node, so the position shift skips it
+    DEAD: tl.constexpr = -(1 << 63) + (255 << 24)
+    row = tl.program_id(0).to(tl.int64)
+    N = B + 1
+    lp_ptr += row * lp_sb
+    tok_ptr += row * tok_sb
+    out = row * N                                      # node 0 of this row in the [b, N] outputs
+    slot = tl.arange(0, SLOTS)                         # [SLOTS]
+    col = tl.arange(0, NODES)                          # [NODES] mask column
+    node = tl.arange(0, PARENTS)                       # [PARENTS] node index (node B never has children)
+    root = tl.load(roots_ptr + row)
+
+    # node 0: the root
+    tl.store(tokens_ptr + out, root)
+    tl.store(parents_ptr + out, -1)
+    tl.store(depths_ptr + out, 0)
+    tl.store(scores_ptr + out, 0.0)
+    tl.store(valid_ptr + out, 1)
+    tl.store(bits_ptr + out, 1)
+    tl.store(mask_ptr + out * N + col, (col == 0).to(tl.int8), mask=col < N)
+    n_score = tl.zeros([PARENTS], tl.float32)                         # [PARENTS] f32 node scores (root: 0.0)
+    n_bits = tl.where(node == 0, tl.full([PARENTS], 1, tl.int64), 0)  # [PARENTS] i64 mask rows as bit sets
+
+    # the pool: only slot 1 is live, the root's first child (tuple (0,): position 0, parent 0, depth 1, rank 0)
+    lp00 = tl.load(lp_ptr)
+    lp00 = tl.where(lp00 == 0.0, 0.0, lp00)          # = 0.0 + lp00 (-0.0 -> 0.0), written so it cannot fold away
+    c_key = tl.where(slot == 1, _key(lp00, 0, 0, 1, 0), DEAD)      # [SLOTS] i64
+
+    for i in range(1, B + 1):
+        # 1) pop: the max key is node i, and decodes to its score, position, parent, depth and rank
+        best = tl.max(c_key, axis=0)
+        real = best != DEAD                                        # False: the pool is empty, node i is padding
+        c_key = tl.where(c_key == best, DEAD, c_key)               # (keys are unique: exactly node i's slot)
+        score = _unsortable((best >> 32).to(tl.int32))
+        pos = 255 - ((best >> 24) & 255).to(tl.int32)
+        info = (best & 0xFFFFFF).to(tl.int32)
+        parent = tl.where(real, info & 255, -1)
+        depth = tl.where(real, (info >> 8) & 255, 0)
+        rank = info >> 16                                          # (meaningless when not real)
+        dpos = tl.maximum(depth - 1, 0)                            # row of lp / tok for node i's depth
+        # the loads go first: their latency hides behind the two reductions below (and a load placed
+        # after this iteration's stores could not be moved above them: the pointers might alias)
+        sib_ok = real & (rank + 1 < K)                             # next sibling: rank + 1 at i's depth
+        sib_lp = tl.load(lp_ptr + dpos * lp_sd + rank + 1, mask=sib_ok, other=0.0)
+        kid_ok = real & (depth < L)                                # first child: rank 0 one depth down
+        kid_lp = tl.load(lp_ptr + depth * lp_sd, mask=kid_ok, other=0.0)
+        token = tl.load(tok_ptr + dpos * tok_sd + rank, mask=real, other=root)
+        is_parent = node == parent                                 # [PARENTS] (none for padding)
+        pscore = tl.max(tl.where(is_parent, n_score, NEG_INF), axis=0)
+        row_bits = tl.sum(tl.where(is_parent, n_bits, 0), axis=0)  # the parent's row (one nonzero term: exact)
+        row_bits |= tl.where(i < 64, tl.full([], 1, tl.int64) << (i & 63), 0)  # | bit i (node 64 is never a parent)
+
+        # 2) emit node i. Padding: root token, parent -1, depth 0, score -inf, mask row = itself.
+        score = tl.where(real, score, NEG_INF)
+        tl.store(tokens_ptr + out + i, token)
+        tl.store(parents_ptr + out + i, parent.to(tl.int64))
+        tl.store(depths_ptr + out + i, depth.to(tl.int64))
+        tl.store(scores_ptr + out + i, score)
+        tl.store(valid_ptr + out + i, real.to(tl.int8))
+        tl.store(bits_ptr + out + i, row_bits)
+        in_row = (((row_bits >> (col & 63)) & 1) != 0) & (col < 64)  # [NODES]
+        tl.store(mask_ptr + (out + i) * N + col, (in_row | (col == i)).to(tl.int8), mask=col < N)
+        n_score = tl.where(node == i, score, n_score)
+        n_bits = tl.where(node == i, row_bits, n_bits)
+
+        # 3) push. Live candidates after i's position move up one (their field 255 - pos goes down one);
+        # the next sibling (slot 2i) takes position pos+1, the first child (slot 2i+1) takes pos.
+        shift = ((c_key >> 24) & 255) < 255 - pos                  # [SLOTS]
+        c_key = tl.where(shift, c_key - (1 << 24), c_key)          # (the field is >= 191: no borrow)
+        sib = tl.where(sib_ok, _key(pscore + sib_lp, pos + 1, parent, depth, rank + 1), DEAD)
+        kid = tl.where(kid_ok, _key(score + kid_lp, pos, i, depth + 1, 0), DEAD)
+        c_key = tl.where(slot == 2 * i, sib, tl.where(slot == 2 * i + 1, kid, c_key))
+
+
+# torch.compile leaves this call opaque (like fused_moe_w4a16): the kernel is used as written in every step mode
+@torch.compiler.disable
+def ddtree_search(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budget: int) -> tuple:
+    """Ranked drafts lp / tok [b, L, K] (tree._rank_tokens: logp desc, last dim contiguous), roots [b] int64 ->
+    the tree's node fields for N = budget + 1 nodes: tokens, parents, depths [b, N] int64, scores [b, N] float32,
+    valid [b, N] bool, ancestor mask [b, N, N] bool, and its rows packed [b, N] int64 (tree_mask_bits' format;
+    None when N > 64). No host sync, fixed shapes."""
+    assert HAS_TRITON, "triton is not installed; call tree.build_tree_ops"
+    bsz, L, K = lp.shape
+    B = budget
+    assert 1 <= B <= TREE_MAX_BUDGET and 1 <= L <= TREE_MAX_DEPTH and 1 <= K <= B, \
+        f"ddtree_search: budget {B} in [1, {TREE_MAX_BUDGET}], depth {L} in [1, {TREE_MAX_DEPTH}], K {K} in [1, B]"
+    assert tok.shape == lp.shape and lp.dtype == torch.float32 and tok.dtype == torch.int64, \
+        f"lp float32 / tok int64, one shape: got {lp.dtype} {tuple(lp.shape)}, {tok.dtype} {tuple(tok.shape)}"
+    assert lp.stride(2) == 1 and tok.stride(2) == 1, "lp, tok: the rank dim must be contiguous"
+    assert roots.shape == (bsz,) and roots.dtype == torch.int64, f"roots: int64 [{bsz}], got {tuple(roots.shape)}"
+    N, dev = B + 1, lp.device
+    tokens, parents, depths, bits = torch.empty(4, bsz, N, dtype=torch.long, device=dev)     # [b, N] each
+    scores = torch.empty(bsz, N, dtype=torch.float32, device=dev)
+    valid = torch.empty(bsz, N, dtype=torch.bool, device=dev)
+    mask = torch.empty(bsz, N, N, dtype=torch.bool, device=dev)
+    # one warp: a pop is two reductions over <= 128 slots, shuffles only (2 or 4 warps were no faster at B <= 16 and
+    # slower at B = 64 on an H200)
+    _tree_kernel[(bsz,)](
+        lp, tok, roots, tokens, parents, depths, scores, valid.view(torch.int8), bits, mask.view(torch.int8),
+        lp.stride(0), lp.stride(1), tok.stride(0), tok.stride(1), L, K, B,
+        NODES=triton.next_power_of_2(N), PARENTS=triton.next_power_of_2(B), SLOTS=triton.next_power_of_2(2 * B),
+        num_warps=1)
+    return tokens, parents, depths, scores, valid, mask, (bits if N <= MASK_WORD_BITS else None)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -517,7 +517,7 @@ class MLA(nn.Module):
         (decode / verify: memory-bound, reads only the compressed cache)."""
         B, T = q_nope.shape[:2]
         wkv_b = self._wkv_b()
-        q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :self.nope]).contiguous()     # [B, T, H, R]
+        q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :self.nope])     # [B, T, H, R] (a permuted view)
         prefix = start_pos
         if isinstance(start_pos, int):
             prefix = torch.full((B,), start_pos, dtype=torch.long, device=q_nope.device)      # [B]

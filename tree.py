@@ -47,6 +47,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import kernels
+
 
 @dataclass
 class Tree:
@@ -221,7 +223,30 @@ def _plan(B: int, K: int, L: int, device: torch.device) -> _Plan:
 
 def build_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int],
                        budget: int) -> Tree:
-    """[b, L, V] logits, [b] roots -> Tree with fields [b, B+1] (mask [b, B+1, B+1]).
+    """[b, L, V] logits, [b] roots -> Tree with fields [b, B+1] (mask [b, B+1, B+1]). On a GPU the search after
+    the ranking is one Triton launch (build_tree_kernel); elsewhere, and past its limits, build_tree_ops. Both
+    give the same Tree, bit for bit."""
+    L = draft_logits.shape[1]
+    if kernels.use_triton(draft_logits.device) and 1 <= budget <= kernels.TREE_MAX_BUDGET \
+            and 1 <= L <= kernels.TREE_MAX_DEPTH:
+        return build_tree_kernel(draft_logits, roots, budget)[0]
+    return build_tree_ops(draft_logits, roots, budget)
+
+
+def build_tree_kernel(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int],
+                      budget: int) -> tuple[Tree, torch.Tensor | None]:
+    """build_tree_batched through kernels.ddtree_search (1 <= budget <= 64, 1 <= L <= 255). Also returns the
+    mask rows packed into int64 words ([b, B+1]; None when B+1 > 64)."""
+    bsz, L, V = draft_logits.shape
+    roots = torch.as_tensor(roots, dtype=torch.long, device=draft_logits.device).reshape(bsz)  # [b]
+    lp, tok = _rank_tokens(draft_logits, min(budget, V))                                        # [b, L, K]
+    *fields, bits = kernels.ddtree_search(lp, tok, roots, budget)
+    return Tree(*fields), bits
+
+
+def build_tree_ops(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int],
+                   budget: int) -> Tree:
+    """build_tree_batched in tensor ops (the kernel's twin; any device, any budget).
 
     Per-depth top-B expansion. The best B prefixes overall form a prefix-closed set, and each of
     their depth-d members has fewer than B better prefixes at depth d, so it survives a top-B
