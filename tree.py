@@ -32,10 +32,11 @@ position); verify simply discards its output. Whether a node is padding depends 
 API: build_tree(logits [L, V], root, B) / build_tree_batched(logits [b, L, V], roots [b], B)
 -> Tree (fields [B+1], or [b, B+1] batched); build_tree_ref (the heap, for tests and teaching);
 chain_tree(_batched) (the DFlash chain in the same format); print_tree / format_tree.
-build_tree_batched is launch-bound at small budgets: 65 aten ops (~ GPU kernels) at B=8, L=7, six per
-depth. Measured on one H200 (Kimi vocab V=163840, L=7, b=1) before rank tuples were packed into integer
-keys (then 164 ops): replayed as a CUDA graph 0.54 ms at B=8, 0.63 ms at B=16, 0.74 ms at B=64 (0.2 ms
-of it is the vocab sort); eager ~2.9 ms. NaN logits are not supported.
+Two batched builders give the same Tree bit for bit: build_tree_ops, 65 tensor ops at B=8, L=7 (six per
+depth; any device), and on a GPU build_tree_kernel, the search as one Triton launch (kernels.ddtree_search,
+B <= 64). Both rank with _rank_tokens (log_softmax + a stable vocabulary sort). Measured on one H200 (CUDA
+graph, b=1, L=7, 2026-11-30): V=4352 B=8 252.8 us -> 69.3 us, of which the ranking 65.8 us; V=163840 B=8
+379.0 -> 169.8 us (ranking 165.9). NaN logits are not supported.
 """
 from __future__ import annotations
 
