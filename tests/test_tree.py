@@ -265,10 +265,16 @@ def test_format_tree():
     assert "(+ 4 padding nodes)" in s
 
 
-def test_builder_op_count():
+def test_builder_op_count(monkeypatch):
     """On a GPU the builder is launch-bound (tiny tensors, about one kernel per aten op): it stays at six ops
-    per depth plus a constant. Counts the non-view aten ops of one B=8, L=7 build (its plan already made)."""
+    per depth plus a constant. Counts the non-view aten ops of one B=8, L=7 build (its plan already made), with
+    the GPU's ranking (one stable sort; the CPU's keyed top-k is more ops and far less time there)."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    def rank_like_gpu(draft_logits, k):
+        lp, tok = torch.sort(torch.log_softmax(draft_logits.float(), -1), dim=-1, descending=True, stable=True)
+        return lp[..., :k], tok[..., :k]
+    monkeypatch.setattr(T, "_rank_tokens", rank_like_gpu)
 
     class Count(TorchDispatchMode):
         n = 0
@@ -282,6 +288,27 @@ def test_builder_op_count():
     with Count():
         T.build_tree_ops(x, roots, 8)
     assert Count.n <= 65, Count.n
+
+
+def test_rank_tokens_cpu_keys_equal_stable_sort():
+    """On a CPU _rank_tokens takes a top-k of packed (logp, token) keys instead of sorting the vocabulary: the
+    same tokens in the same order, the same logp bits, through exact ties, all-equal rows and -inf."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(120):
+        L, V = int(torch.randint(1, 8, (1,), generator=g)), int(torch.randint(1, 300, (1,), generator=g))
+        k = int(torch.randint(1, V + 1, (1,), generator=g))
+        x = torch.randn(2, L, V, generator=g) * 3
+        if trial % 4 == 1:
+            x = x.round()
+        elif trial % 4 == 2:
+            x = torch.zeros(2, L, V)
+        elif trial % 4 == 3:
+            x[torch.rand(2, L, V, generator=g) < 0.3] = float("-inf")
+            x[..., 0] = 1.0
+        lp, tok = T._rank_tokens(x, k)
+        want_lp, want_tok = torch.sort(torch.log_softmax(x, -1), dim=-1, descending=True, stable=True)
+        assert torch.equal(tok, want_tok[..., :k]), f"trial {trial}"
+        assert torch.equal(lp.view(torch.int32), want_lp[..., :k].view(torch.int32)), f"trial {trial}"
 
 
 def test_no_host_sync_in_builder():
