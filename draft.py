@@ -242,7 +242,8 @@ def rope_cos_sin(inv_freq: torch.Tensor, amp: float, positions: torch.Tensor, dt
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, H, hd]: rotate the pairs (x1, x2) = (x[i], x[i + hd/2]) by cos/sin [B, T, hd] from rope_cos_sin:
-    x * (cos, cos) + (x2, x1) * (-sin, sin) = x * cos + rotate_half(x) * sin, bit for bit (the sign sits in sin)."""
+    x * (cos, cos) + (x2, x1) * (-sin, sin) = x * cos + rotate_half(x) * sin, bit for bit (the sign sits in sin);
+    on a GPU one launch (kernels.rope, equal to within one rounding)."""
     hd = x.shape[-1]
     if M.fused(x.device) and hd & (hd - 1) == 0:
         return kernels.rope(x, cos, sin, interleaved=False)                               # one launch

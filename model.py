@@ -333,6 +333,12 @@ def RowParallelLinear(i: int, o: int) -> Linear:
     return Linear(i, o, shard_dim=1)
 
 
+def fused(device) -> bool:
+    """Use the small Triton glue kernels (norms, rope, routing, SwiGLU): on a GPU, outside torch.compile (inductor
+    fuses the PyTorch forms by itself, and re-generating user kernels from their source is fragile)."""
+    return kernels.use_triton(device) and not torch.compiler.is_compiling()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -350,12 +356,6 @@ class RMSNorm(nn.Module):
         """(x + r, self(x + r)): a residual add and this norm, in one launch on a GPU."""
         fn = kernels.add_rms_norm if fused(x.device) else kernels.add_rms_norm_ref
         return fn(x, r, self.weight, self.eps)
-
-
-def fused(device) -> bool:
-    """Use the small Triton glue kernels (norms, rope, routing, SwiGLU): on a GPU, outside torch.compile (inductor
-    fuses the PyTorch forms by itself, and re-generating user kernels from their source is fragile)."""
-    return kernels.use_triton(device) and not torch.compiler.is_compiling()
 
 
 class ParallelEmbedding(nn.Module):
@@ -427,7 +427,8 @@ def rope_cos_sin(inv_freq: torch.Tensor, attn_factor: float, positions: torch.Te
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs (x1, x2) = (x[2i], x[2i+1]) of x [B, T, (H,) P] by the angles in cos/sin
     [B, T, P] from rope_cos_sin: x * (cos, cos) + (x2, x1) * (-sin, sin) = (x1 cos - x2 sin, x2 cos + x1 sin),
-    bit for bit (the sign sits in sin): four elementwise ops (kernels.rope_ref), or one launch on a GPU."""
+    bit for bit (the sign sits in sin): four elementwise ops (kernels.rope_ref), or on a GPU one launch
+    (kernels.rope, equal to within one rounding)."""
     P = x.shape[-1]
     if fused(x.device) and P & (P - 1) == 0:
         return kernels.rope(x, cos, sin)
