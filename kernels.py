@@ -70,9 +70,12 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     assert packed.dtype == torch.int32, f"want int32 words, got {packed.dtype}"
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
-    u = (packed.unsqueeze(-1) >> shifts) & 0xF                       # [..., I/8, 8]; & 0xF makes the sign irrelevant
-    return (u - 8).to(torch.int8).flatten(-2)                        # [..., I]
+    # the words as bytes (little-endian, as on every CPU and GPU torch runs on): byte j of word k holds columns
+    # 8k + 2j (low nibble) and 8k + 2j + 1 (high nibble). Two byte-wide ops instead of eight word-wide shifts.
+    assert sys.byteorder == "little", "unpack_int4 reads the words' bytes: big-endian hosts are not supported"
+    b = packed.contiguous().view(torch.uint8)                        # [..., I/2]
+    u = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)           # [..., I] nibble values 0..15
+    return u.to(torch.int8) - 8                                      # q = u - 8 in [-8, 7]
 
 
 def dequant_int4_ref(packed: torch.Tensor, scale: torch.Tensor, group_size: int = 32) -> torch.Tensor:
@@ -573,24 +576,39 @@ def experts_ref(x, topk_ids, topk_weights, expert, experts=None, y=None) -> torc
     return y
 
 
-# The INT4 reference dequantizes the used experts a group at a time, each group in one chain of tensor ops: on a CPU
-# the per-op overhead of ~2 chains per expert was most of a tiny model's MoE step (9 tokens, 8 experts: 1.58 -> 0.92
-# ms per layer, 2 cores). Groups stay under this many fp32 bytes, so at K2.6 size (176 MB per expert) it is one
-# expert at a time, as before.
+def experts_dense_ref(x, topk_ids, topk_weights, experts, w13, w2, y) -> torch.Tensor:
+    """experts_ref for a group of experts held dequantized together (ids `experts` [g], w13 [g, 2I, D], w2
+    [g, D, I]): each applied to every token, its output weighted by the token's routing weight for it (0 when the
+    token did not choose it) and added to y [T, D] fp32. More FLOPs than pair by pair, a fixed handful of ops:
+    what a CPU running a small model pays for."""
+    h = torch.matmul(x.to(w13.dtype), w13.transpose(1, 2))                            # [g, T, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    o = torch.matmul(F.silu(gate) * up, w2.transpose(1, 2)).float()                   # [g, T, D]
+    chose = topk_ids[:, :, None] == experts                                           # [T, K, g]
+    w = (topk_weights[:, :, None] * chose).sum(1)                                     # [T, g]
+    return y.add_(torch.einsum("tg,gtd->td", w, o))
+
+
+# The INT4 reference dequantizes the used experts a group at a time, each group in one chain of tensor ops, and
+# applies a group with experts_dense_ref: on a CPU the per-op overhead of ~12 ops per expert was most of a tiny
+# model's MoE step (9 tokens, 8 experts: 1.58 -> 0.63 ms per layer, 2 cores). Groups stay under this many fp32
+# bytes, so at K2.6 size (176 MB per expert) it is one expert at a time over the tokens that chose it, as before.
 MOE_REF_GROUP_BYTES = 256 * 2**20
 
 
 def fused_moe_w4a16_ref(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, out=None):
-    used = topk_ids.unique().tolist()                                                   # increasing ids
+    used = topk_ids.unique()                                                            # [n] increasing ids
     per_expert = (w13_packed[0].numel() + w2_packed[0].numel()) * 8 * 4                 # fp32 bytes, dequantized
     n = max(1, MOE_REF_GROUP_BYTES // per_expert)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)                      # [T, D]
-    for i in range(0, len(used), n):
-        group = used[i:i + n]
-        sel = torch.tensor(group, device=x.device)                                      # [g]
-        w13 = dequant_int4_ref(w13_packed[sel], w13_scale[sel], group_size).float()     # [g, 2I, D]
-        w2 = dequant_int4_ref(w2_packed[sel], w2_scale[sel], group_size).float()        # [g, D, I]
-        experts_ref(x, topk_ids, topk_weights, lambda e: (w13[group.index(e)], w2[group.index(e)]), group, y)
+    for i in range(0, used.numel(), n):
+        group = used[i:i + n]                                                           # [g]
+        w13 = dequant_int4_ref(w13_packed[group], w13_scale[group], group_size).float()  # [g, 2I, D]
+        w2 = dequant_int4_ref(w2_packed[group], w2_scale[group], group_size).float()     # [g, D, I]
+        if group.numel() > 1:
+            experts_dense_ref(x, topk_ids, topk_weights, group, w13, w2, y)
+        else:
+            experts_ref(x, topk_ids, topk_weights, lambda e: (w13[0], w2[0]), group.tolist(), y)
     if out is not None:
         return out.copy_(y)
     return y

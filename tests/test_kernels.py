@@ -179,7 +179,12 @@ def make_attn(B, T, H, R, P, prefixes, kind, dtype, device="cpu", seed=0):
 # ----------------------------------------------------------------------------------------------------------
 # Refs vs naive float64
 
-def test_moe_ref_vs_naive():
+@pytest.mark.parametrize("groups", ["all experts at once", "one expert at a time"])
+def test_moe_ref_vs_naive(groups, monkeypatch):
+    """Both ways the reference applies its dequantized experts (a group of them to every token, or one expert to the
+    tokens that chose it) == float64 by hand."""
+    if groups == "one expert at a time":
+        monkeypatch.setattr(kernels, "MOE_REF_GROUP_BYTES", 1)
     x, ids, w, w13p, s13, w2p, s2 = make_moe(T=5, E=6, K=3, D=64, I=32, dtype=torch.float32)
     I = 32
     w13 = unpack_bytewise(w13p).double() * s13.double().repeat_interleave(32, -1)   # [E, 2I, D]
