@@ -1,5 +1,6 @@
 """
-Triton kernels for the two hot spots of a Kimi K2.6 decode / tree-verify step, plus the INT4 format helpers.
+Triton kernels for a Kimi K2.6 decode / tree-verify step: its two hot spots, the per-layer glue between them and
+the DDTree search, plus the INT4 format helpers.
 
     fused_moe_w4a16     routed experts straight from the INT4 pack-quantized checkpoint layout: a bandwidth-bound
                         GEMV for decode / verify (dequantization in ~20 PTX instructions per int32 word), tl.dot
@@ -11,7 +12,8 @@ Triton kernels for the two hot spots of a Kimi K2.6 decode / tree-verify step, p
     pack_int4 / unpack_int4 / dequant_int4_ref   the single source of truth for the INT4 bit order
 
 Invariant: every kernel == its *_ref twin. The twin has the same signature, is plain PyTorch, runs anywhere
-(it is the CPU path and the test oracle), and the kernel must match it to rounding. model.py asks
+(it is the CPU path and the test oracle), and the kernel must match it to rounding (ddtree_search's twin is
+tree.build_tree_ops, matched bit for bit). model.py asks
 use_triton(device) which one to call; `--no-triton` sets FORCE_REF and forces the twins everywhere.
 
 Tests (CPU, kernels run under TRITON_INTERPRET=1 in a subprocess):  python -m pytest -q tests/test_kernels.py
@@ -808,13 +810,12 @@ def mla_tree_attention_ref(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_sc
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Fused glue of a decode / verify step. At T <= 64 tokens every elementwise PyTorch op is a launch of ~2 µs plus ~1
-# µs of gap even inside a CUDA graph (RMSNorm alone is 7-8 ops: cast, pow, mean, add, rsqrt, mul, cast, mul), and
-# the glue between a layer's big kernels was most of its ~70 launches
-# (H200, bench.py layers, 2026-11-30). Each kernel here replaces a run of them and rounds where its twin's ops round
-# (every PyTorch op rounds its result to the tensor's dtype): the residual add is bit-exact, rope within one rounding
-# (the compiled kernel differed in the last bit of some elements on the H200), norms and sigmoids differ only in
-# reduction order and exp.
+# Fused glue of a decode / verify step. At T <= 64 tokens every elementwise PyTorch op is a launch of ~2 µs plus
+# ~1 µs of gap even inside a CUDA graph (RMSNorm alone is 7-8 ops: cast, pow, mean, add, rsqrt, mul, cast, mul),
+# and this glue was most of a K2.6 layer step's ~70 launches (H200, bench.py layers, 2026-11-30; 34-36 after).
+# Each kernel replaces a run of ops and rounds where its twin's ops round (every PyTorch op rounds its result to
+# the tensor's dtype): the residual add is bit-exact, rope within one rounding (the compiled kernel differed in the
+# last bit of some elements on the H200), norms and sigmoids differ only in reduction order and exp.
 
 
 @triton.jit
