@@ -23,13 +23,16 @@ Modes:
   peer    the same layer through transformers' DeepseekV3DecoderLayer (experts dequantized to bf16) at the
           same T and context, and the AR decode of the e2e model through DeepseekV3ForCausalLM: their time /
           ours.
-  all     the three in turn.
+  tree    the DDTree build of one step at Kimi's vocabulary: the op-by-op builder vs the one-launch search (on a
+          GPU), and the vocabulary ranking both share, per budget; the two trees compared field by field.
+  all     the three in turn (e2e, layers, peer).
 
     python bench.py e2e                                   # bundled tiny model + drafter (CPU ok)
     python bench.py e2e --budgets 4,16 --temperature 0 --max-new-tokens 64 --out runs/e2e.json
     python bench.py layers --scale tiny                   # CPU: every dimension shrunk (a smoke test)
     python bench.py layers --tp 8 --out runs/layers.json  # one H200, per-rank TP8 shapes, real dimensions
     python bench.py peer --tp 1 --ctx 4096                # one H200 (the peer's bf16 experts: 34 GB)
+    python bench.py tree --budgets 8,16,64                # V = 163840, L = 7 by default (CPU ok)
     torchrun --nproc-per-node 8 bench.py e2e --ckpt <Kimi-K2.6> --draft <Kimi-K2.6-DFlash> --chat
 
 Caveats, printed where they apply:
@@ -61,6 +64,7 @@ import torch.nn.functional as F
 
 import kernels
 import model as M
+import tree as T
 from tree import ancestor_mask
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1095,6 +1099,42 @@ def bench_peer(a, device, dtype) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# tree: the DDTree build of one step
+
+
+@torch.no_grad()
+def bench_tree(a, device, dtype) -> dict:
+    """Per budget: tree.build_tree_ops (tensor ops), tree.build_tree_kernel (kernels.ddtree_search, GPU only) and
+    tree._rank_tokens (log_softmax + vocabulary ranking, inside both) on random fp32 draft logits [1, L, V];
+    CUDA-graph medians on a GPU (a step replays them so), wall-clock medians on a CPU."""
+    L, V = a.tree_depth, a.vocab
+    graph = device.type == "cuda" and a.graph
+    use_kernel = kernels.use_triton(device)
+    print0(f"\n## tree: draft logits [1, {L}, {V}] fp32 on {device}, "
+           f"{'CUDA-graph' if graph else 'wall-clock'} medians")
+    fields = ("tokens", "parents", "depths", "scores", "valid", "ancestor_mask")
+    rows = []
+    for B in a.budgets:
+        g = torch.Generator(device=device).manual_seed(a.seed + B)
+        logits = torch.randn(1, L, V, generator=g, device=device) * 3                  # [1, L, V]
+        roots = torch.zeros(1, dtype=torch.long, device=device)
+        r = {"budget": B, "depth": L, "vocab": V,
+             "ops_us": median_time(lambda: T.build_tree_ops(logits, roots, B), device, graph) * 1e6,
+             "rank_us": median_time(lambda: T._rank_tokens(logits, min(B, V)), device, graph) * 1e6,
+             "kernel_us": None, "same": None}
+        if use_kernel and B <= kernels.TREE_MAX_BUDGET:
+            r["kernel_us"] = median_time(lambda: T.build_tree_kernel(logits, roots, B), device, graph) * 1e6
+            got, want = T.build_tree_kernel(logits, roots, B)[0], T.build_tree_ops(logits, roots, B)
+            r["same"] = all(torch.equal(getattr(got, f), getattr(want, f)) for f in fields)
+        rows.append(r)
+    print0(table(["budget", "build_tree_ops us", "build_tree_kernel us", "ranking us", "same tree"],
+                 [[r["budget"], _f(r["ops_us"]), _f(r["kernel_us"]), _f(r["rank_us"]), r["same"]] for r in rows]))
+    if not use_kernel:
+        print0("(no GPU kernel here: build_tree_batched uses build_tree_ops)")
+    return {"graph": graph, "rows": rows}
+
+
+# ----------------------------------------------------------------------------------------------
 # Output: JSON and the plot
 
 
@@ -1163,7 +1203,7 @@ def main(argv: list[str] | None = None) -> dict:
             print0(f"\n## {mode}: skipped under torchrun (single-process mode)")
             continue
         fn = {"e2e": bench_e2e, "layers": bench_layers, "moe-split": bench_moe_split, "draft": bench_draft,
-              "allreduce": bench_allreduce, "peer": bench_peer}[mode]
+              "allreduce": bench_allreduce, "peer": bench_peer, "tree": bench_tree}[mode]
         if mode == "e2e" and a.batch:
             fn = bench_batch
         try:
@@ -1191,7 +1231,7 @@ def _floats(s: str) -> list[float]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("mode", choices=["e2e", "layers", "moe-split", "draft", "allreduce", "peer", "all"])
+    p.add_argument("mode", choices=["e2e", "layers", "moe-split", "draft", "allreduce", "peer", "tree", "all"])
     p.add_argument("--batch", type=_ints, default=[], help="e2e: batch sizes (e.g. 1,4,16,64): batched decoding")
     p.add_argument("--step-mode", choices=["eager", "static", "graph", "compile", "graph+compile"], default="eager",
                    help="e2e decode loop: the eager reference, the fixed-shape step, that step as a CUDA graph, or compiled")
@@ -1224,6 +1264,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     l.add_argument("--copy-mb", type=int, default=0, help="size of the bandwidth copy (0: 2048 on CUDA, 128 on CPU)")
     l.add_argument("--peer-experts", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"],
                    help="transformers' experts implementation (grouped_mm is its default for models)")
+    t = p.add_argument_group("tree")
+    t.add_argument("--vocab", type=int, default=163840, help="tree: vocabulary size of the draft logits (Kimi's)")
+    t.add_argument("--tree-depth", type=int, default=7, help="tree: depths L (block_size - 1)")
     c = p.add_argument_group("common")
     c.add_argument("--device", default=None)
     c.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")

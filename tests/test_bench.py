@@ -150,6 +150,19 @@ def test_moe_split(capsys):
         assert close(r["ep_floor_us"], r["ep_max_experts"] * expert_bytes / ms["copy_bandwidth_Bps"] * 1e6)
 
 
+def test_tree_mode(capsys):
+    res = bench.main(["tree", "--vocab", "300", "--tree-depth", "3", "--budgets", "4,8"])
+    assert last_json(capsys) == json.loads(json.dumps(res))
+    rows = res["tree"]["rows"]
+    assert [r["budget"] for r in rows] == [4, 8] and all(r["depth"] == 3 and r["vocab"] == 300 for r in rows)
+    for r in rows:
+        assert r["ops_us"] > 0 and r["rank_us"] > 0
+        if torch.cuda.is_available():        # the one-launch search: timed and the same tree as the ops builder
+            assert r["kernel_us"] > 0 and r["same"] is True
+        else:
+            assert r["kernel_us"] is None and r["same"] is None
+
+
 def test_draft_replicated_vs_tp(capsys):
     res = bench.main(["draft", "--scale", "tiny", "--tp", "8", "--ctx", "16", "--copy-mb", "8",
                       "--allreduce-us", "20"])
