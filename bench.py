@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -1112,7 +1113,7 @@ def bench_tree(a, device, dtype) -> dict:
     use_kernel = kernels.use_triton(device)
     print0(f"\n## tree: draft logits [1, {L}, {V}] fp32 on {device}, "
            f"{'CUDA-graph' if graph else 'wall-clock'} medians")
-    fields = ("tokens", "parents", "depths", "scores", "valid", "ancestor_mask")
+    fields = [f.name for f in dataclasses.fields(T.Tree)]
     rows = []
     for B in a.budgets:
         g = torch.Generator(device=device).manual_seed(a.seed + B)

@@ -89,9 +89,10 @@ def dequant_int4_ref(packed: torch.Tensor, scale: torch.Tensor, group_size: int 
 
 # ----------------------------------------------------------------------------------------------------------
 # Fused MoE, INT4 weights x 16-bit activations (W4A16).
-# Both paths group the T*K (token, k) pairs by expert on the GPU with fixed-shape ops (sort + searchsorted, no host
-# sync, CUDA-graph capturable); program `slot` of every grid serves the slot-th *used* expert and streams that expert's
-# weights once for all its pairs. A one-program-per-slot launch (_moe_slots_kernel) finds the slots first.
+# Both paths group the T*K (token, k) pairs by expert on the GPU with fixed-shape ops (_moe_sort: one program at
+# decode / verify sizes, sort + searchsorted + _moe_slots_kernel for prefill; no host sync, CUDA-graph capturable);
+# program `slot` of every grid serves the slot-th *used* expert and streams that expert's weights once for all its
+# pairs.
 #
 # Decode / verify (T <= MOE_GEMV_MAX_T, 16-bit activations): a GEMV, bandwidth-bound, ~1 pair per expert.
 #   The whole cost is streaming INT4 words from HBM and turning them into products fast enough to keep up. Three things

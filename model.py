@@ -459,6 +459,10 @@ class MLA(nn.Module):
         if args.rope_type == "yarn" and args.mscale_all_dim:
             # transformers: the YaRN mscale enters the softmax scale squared (q and k each carry one factor)
             self.softmax_scale *= yarn_mscale(args.rope_factor, args.mscale_all_dim) ** 2
+        # the Triton paths tile the latent (R) and rope (P) widths with power-of-two blocks; tl.dot wants >= 16
+        pow2 = lambda n, least: n >= least and n & (n - 1) == 0
+        self.latent_kernel_fits = pow2(self.kv_lora_rank, 2) and pow2(self.rope, 2)
+        self.attn_kernel_fits = pow2(self.kv_lora_rank, 16) and pow2(self.rope, 16)
 
     def forward(self, x, cos, sin, cache=None, start_pos=None, tree_mask=None, absorb=False, slots=None):
         """x [B, T, D]. cache: this layer's [Bmax, S, R+P] slice or None (no cache: causal attention over x).
@@ -480,8 +484,8 @@ class MLA(nn.Module):
             if slots is None:
                 slots = _slots(start_pos, B, T, x.device)                                      # [B, T]
             # the new rows of the compressed cache: kv_a_layernorm(c_kv) | rope(k_pe), written at their slots
-            fits = self.kv_lora_rank & (self.kv_lora_rank - 1) == 0 and self.rope & (self.rope - 1) == 0
-            write = kernels.mla_latent_to_cache if fused(x.device) and fits else kernels.mla_latent_to_cache_ref
+            fused_write = fused(x.device) and self.latent_kernel_fits
+            write = kernels.mla_latent_to_cache if fused_write else kernels.mla_latent_to_cache_ref
             write(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, cache, slots)
             if tree_mask is None:
                 tree_mask = _causal(T, x.device).expand(B, T, T)
@@ -524,9 +528,7 @@ class MLA(nn.Module):
             prefix = torch.full((B,), start_pos, dtype=torch.long, device=q_nope.device)      # [B]
         # the kernel packs each query's tree mask into one 64-bit word (T <= 64, i.e. budget <= 63) and
         # tiles R and P with power-of-two blocks; it reads only the live slots of the full cache itself
-        pow2 = lambda n: n >= 16 and n & (n - 1) == 0
-        fits = T <= kernels.MASK_WORD_BITS and pow2(self.kv_lora_rank) and pow2(self.rope)
-        if kernels.use_triton(q_nope.device) and fits:
+        if kernels.use_triton(q_nope.device) and T <= kernels.MASK_WORD_BITS and self.attn_kernel_fits:
             o_lat = kernels.mla_tree_attention(q_lat, q_pe.contiguous(), cache, prefix, tree_mask.contiguous(),
                                                self.softmax_scale)
         else:

@@ -251,8 +251,8 @@ def build_tree_kernel(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence
     bsz, L, V = draft_logits.shape
     roots = torch.as_tensor(roots, dtype=torch.long, device=draft_logits.device).reshape(bsz)  # [b]
     lp, tok = _rank_tokens(draft_logits, min(budget, V))                                        # [b, L, K]
-    *fields, bits = kernels.ddtree_search(lp, tok, roots, budget)
-    return Tree(*fields), bits
+    *nodes, bits = kernels.ddtree_search(lp, tok, roots, budget)     # Tree's fields in order, then the bits
+    return Tree(*nodes), bits
 
 
 def build_tree_ops(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int],
