@@ -124,7 +124,8 @@ MOE_MAX_SPLIT_K = 8
 # Token rows per tile of the tl.dot path: the smallest tl.dot tile. An expert with more pairs loops over them.
 MOE_BLOCK_M = 16
 # PTX only on NVIDIA hardware: not under the interpreter, not on ROCm
-MOE_PTX = os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"   # kernels run on CPU tensors, in numpy
+MOE_PTX = not INTERPRETED and torch.version.hip is None
 
 
 @triton.jit
@@ -627,10 +628,13 @@ def fused_moe_w4a16_ref(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_pac
 # grid depends only on shapes (graph capturable) and splits past prefix_len + T exit at once.
 # Visibility: slot s < prefix_len[b] (committed prefix), or s = prefix_len[b] + j with bit j of the row's mask word.
 
-# BLOCK_Q query rows (t, h) x BLOCK_S keys per tile. Splits: enough for ~4 waves of programs, each at least
+# BLOCK_Q query rows (t, h) x BLOCK_S keys per tile. Splits: enough for ~`waves` waves of programs, each at least
 # MIN_SPLIT keys long so the fp32 partial outputs (T*H*R*4 B per split) stay small next to the keys they summarize.
+# Sweep on an H200 (scratch, 2026-11-30, us at H/T/prefix 8/1/32k, 8/9/32k, 8/17/32k, 64/9/4096, 64/17/4096):
+# 2 waves 25.0 53.0 82.2 48.3 98.2 against 4 waves 24.8 57.4 84.8 55.8 86.7 (1 wave: 23.4 75.0 114.6 64.7 114.9).
+# 64-row query blocks (wgmma-sized; 8 warps) were slower at every shape: 47.3 77.3 105.6 69.9 94.1 at best.
 ATTN_BLOCKS = dict(BLOCK_Q=16, BLOCK_S=64, num_warps=4, num_stages=2)
-ATTN_SPLITS = dict(max_splits=256, min_split_len=128)
+ATTN_SPLITS = dict(max_splits=256, min_split_len=128, waves=2)
 
 
 MASK_WORD_BITS = 64     # tree slots per packed mask row (one int64 word): the widest verify the kernel takes
@@ -643,6 +647,12 @@ def tree_mask_bits(tree_mask: torch.Tensor) -> torch.Tensor:
     T = tree_mask.shape[-1]
     assert T <= MASK_WORD_BITS, f"one int64 word per row holds at most {MASK_WORD_BITS} tree slots, got T={T}"
     return (tree_mask.long() << torch.arange(T, device=tree_mask.device)).sum(-1)
+
+
+def tree_mask_unpack(bits: torch.Tensor) -> torch.Tensor:
+    # tree_mask_bits' inverse: [B, T] int64 -> [B, T, T] bool
+    T = bits.shape[-1]
+    return (bits[..., None] >> torch.arange(T, device=bits.device)) & 1 == 1
 
 
 @triton.jit
@@ -767,11 +777,11 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     BLOCK_Q, BLOCK_S, MIN_SPLIT = cfg["BLOCK_Q"], cfg["BLOCK_S"], ATTN_SPLITS["min_split_len"]
     assert MIN_SPLIT % BLOCK_S == 0, "min_split_len must be a multiple of BLOCK_S"
     n_qblocks = triton.cdiv(T * H, BLOCK_Q)
-    # the grid depends on shapes only (no sync): splits for ~4 waves, at most one per MIN_SPLIT keys of the cache
+    # the grid depends on shapes only (no sync): splits for ~`waves` waves, at most one per MIN_SPLIT keys of the cache
     # (on CPU only the interpreter runs this: pretend to have SMs, so tests exercise several splits)
     n_sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 16
     num_splits = max(1, min(ATTN_SPLITS["max_splits"], triton.cdiv(cache.shape[1], MIN_SPLIT),
-                            triton.cdiv(4 * n_sm, B * n_qblocks)))
+                            triton.cdiv(ATTN_SPLITS["waves"] * n_sm, B * n_qblocks)))
 
     bits = tree_mask.contiguous() if packed else tree_mask_bits(tree_mask)       # [B, T] int64
     o_part = _empty((B, num_splits, T * H, R), torch.float32, q_lat.device)
@@ -791,7 +801,7 @@ def mla_tree_attention_ref(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_sc
     B, T, H, R = q_lat.shape
     S = cache.shape[1]
     if tree_mask.dtype == torch.int64:                                          # packed rows -> [B, T, T] bool
-        tree_mask = (tree_mask[..., None] >> torch.arange(T, device=tree_mask.device)) & 1 == 1
+        tree_mask = tree_mask_unpack(tree_mask)
     kv, k_pe = cache[..., :R].float(), cache[..., R:].float()                  # [B, S, R], [B, S, P]
     scores = torch.einsum("bthr,bsr->bths", q_lat.float(), kv) + torch.einsum("bthp,bsp->bths", q_pe.float(), k_pe)
     scores = scores * softmax_scale                                             # [B, T, H, S]
@@ -1044,13 +1054,54 @@ def silu_mul_ref(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _moe_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, K_POW2: tl.constexpr,
+def _split_bf16(v):
+    # v (fp32) = hi + lo + O(2^-16 |v|), hi and lo bf16: exactly v when v is a bf16 or fp16 value (8 + 8 mantissa bits)
+    hi = v.to(tl.bfloat16)
+    return hi, (v - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _router_kernel(x_ptr, w_ptr, part_ptr, N, E, D, D_SPLIT,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BF16: tl.constexpr):
+    # Program (e block, split): partial router logits over columns split*D_SPLIT.. of D -> part[split, t, e], for all
+    # N <= BLOCK_T tokens. x [N, D] 16- or 32-bit, w [E, D] fp32 (a bf16 checkpoint upcast at load).
+    # SPLIT_BF16 (GPU): each operand as hi + lo bf16 and three tensor-core dots with fp32 accumulation (lo x lo is
+    # below fp32 rounding); for bf16 x and a bf16 checkpoint weight the lo parts are 0 and every product is exact,
+    # so only the summation order differs from F.linear in fp32. Else (the interpreter, whose bf16 dot is wrong):
+    # one fp32 dot. A plain fp32 tl.dot on the GPU took ~35 us here (FMA lowering), slower than cuBLAS.
+    offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_t = tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
+    e_mask, t_mask = offs_e < E, offs_t < N
+    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for d0 in range(split * D_SPLIT, tl.minimum(split * D_SPLIT + D_SPLIT, D), BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        d_mask = d < D
+        x = tl.load(x_ptr + offs_t[:, None] * D + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_e[:, None] * D + d[None, :], mask=e_mask[:, None] & d_mask[None, :], other=0.0)
+        if SPLIT_BF16:
+            x_hi, x_lo = _split_bf16(x.to(tl.float32))
+            w_hi, w_lo = _split_bf16(w)
+            acc = tl.dot(x_hi, tl.trans(w_hi), acc)
+            acc = tl.dot(x_hi, tl.trans(w_lo), acc)
+            acc = tl.dot(x_lo, tl.trans(w_hi), acc)                                         # [BLOCK_T, BLOCK_E]
+        else:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    tl.store(part_ptr + (split * N + offs_t[:, None]) * E + offs_e[None, :], acc, mask=t_mask[:, None] & e_mask[None, :])
+
+
+@triton.jit
+def _moe_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, N, E, SPLITS, K: tl.constexpr, K_POW2: tl.constexpr,
                      NORM: tl.constexpr, SCALE: tl.constexpr, E_POW2: tl.constexpr):
-    # program n = token: sigmoid scores, top-K of score + bias by repeated argmax (ties: lowest expert id), weights =
-    # the chosen scores (without the bias), renormalized, times the routed scaling factor
+    # program n = token: logits = the sum of the SPLITS partial logits [SPLITS, N, E] (in split order), sigmoid
+    # scores, top-K of score + bias by repeated argmax (ties: lowest expert id), weights = the chosen scores (without
+    # the bias), renormalized, times the routed scaling factor
     n = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_POW2)
-    score = tl.sigmoid(tl.load(logits_ptr + n * E + e, mask=e < E, other=0.0))
+    logits = tl.zeros([E_POW2], dtype=tl.float32)
+    for s in range(0, SPLITS):
+        logits += tl.load(logits_ptr + (s * N + n) * E + e, mask=e < E, other=0.0)
+    score = tl.sigmoid(logits)
     choice = tl.where(e < E, score + tl.load(bias_ptr + e, mask=e < E, other=0.0), float("-inf"))
     k = tl.arange(0, K_POW2)
     ids = tl.zeros([K_POW2], dtype=tl.int32)
@@ -1066,6 +1117,16 @@ def _moe_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, K
     tl.store(ids_ptr + n * K + k, ids.to(tl.int64), mask=k < K)
 
 
+def _topk_launch(partial_logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float):
+    S, N, E = partial_logits.shape
+    w = torch.empty(N, top_k, dtype=torch.float32, device=partial_logits.device)
+    ids = torch.empty(N, top_k, dtype=torch.int64, device=partial_logits.device)
+    if N:
+        _moe_topk_kernel[(N,)](partial_logits, bias, w, ids, N, E, S, K=top_k, K_POW2=triton.next_power_of_2(top_k),
+                               NORM=norm, SCALE=float(scale), E_POW2=triton.next_power_of_2(E))
+    return w, ids
+
+
 def moe_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float,
              n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """noaux_tc routing after the router matmul: logits [N, E] fp32, bias [E] fp32 -> (weights [N, k] fp32, expert
@@ -1076,12 +1137,51 @@ def moe_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, s
     N, E = logits.shape
     assert logits.dtype == bias.dtype == torch.float32 and bias.shape == (E,), "logits [N, E], bias [E]: float32"
     assert 1 <= top_k <= E and logits.is_contiguous() and bias.is_contiguous(), f"top_k {top_k}, E {E}; contiguous"
-    w = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
+    return _topk_launch(logits[None], bias, top_k, norm, scale)
+
+
+# Router matmul for decode / verify: the K2.6 router weight is [384, 7168] fp32 (11 MB, 2.6 us at 4.2 TB/s), and
+# cuBLAS's fp32 GEMM plus moe_topk took 26 us per layer for T = 9 on an H200 (an sm80 SIMT tile + a split-K
+# reduction). Programs of BLOCK_E experts x one slice of D stream the weight once; moe_topk's kernel sums the
+# slices, in a fixed order.
+ROUTER_MAX_T = 64       # more tokens (prefill): F.linear, where cuBLAS's tiles are full
+# Sweep (H200, CUDA graphs, router + routing, us at N = 1 / 9 / 17 / 64 tokens): this config 10.0 / 10.2 / 14.5 /
+# 13.2; BLOCK_E=16, BLOCK_D=128: 13.9 / 14.3 / 13.2 / 14.1; against 12.3 / 26.1 / 24.9 / 41.3 for cuBLAS fp32 + moe_topk.
+ROUTER_BLOCKS = dict(BLOCK_E=32, BLOCK_D=64, num_warps=4, num_stages=3)
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float,
+                n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole noaux_tc router: x [N, D], weight [E, D] fp32, bias [E] fp32 -> (weights [N, k] fp32, expert ids
+    [N, k] int64) = moe_topk(x @ weight^T in fp32). Two launches for N <= ROUTER_MAX_T."""
+    assert HAS_TRITON, "triton is not installed; call router_topk_ref"
+    assert n_group == 1, "router_topk: group-limited routing (n_group > 1) runs in router_topk_ref"
+    N, D = x.shape
+    E = weight.shape[0]
+    assert weight.shape == (E, D) and weight.dtype == torch.float32, f"weight: want float32 [E, {D}], got " \
+        f"{weight.dtype} {tuple(weight.shape)}"
+    assert bias.shape == (E,) and bias.dtype == torch.float32, "bias: want float32 [E]"
+    assert x.is_contiguous() and weight.is_contiguous() and bias.is_contiguous(), "x, weight, bias: contiguous"
+    assert 1 <= top_k <= E, f"top_k {top_k}, E {E}"
+    if N > ROUTER_MAX_T:
+        return _topk_launch(F.linear(x.float(), weight)[None], bias, top_k, norm, scale)
+    cfg = ROUTER_BLOCKS
+    block_t = max(16, triton.next_power_of_2(N))                            # tl.dot's smallest tile is 16
+    n_eb = triton.cdiv(E, cfg["BLOCK_E"])
+    # slices of D for ~2 waves of programs; on CPU only the interpreter runs this: pretend to have 16 SMs
+    n_sm = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 16
+    d_split = triton.cdiv(triton.cdiv(D, max(1, triton.cdiv(2 * n_sm, n_eb))), cfg["BLOCK_D"]) * cfg["BLOCK_D"]
+    n_split = triton.cdiv(D, d_split)                                       # no empty slice
+    part = _empty((n_split, N, E), torch.float32, x.device)                 # [splits, N, E] partial logits
     if N:
-        _moe_topk_kernel[(N,)](logits, bias, w, ids, E, K=top_k, K_POW2=triton.next_power_of_2(top_k), NORM=norm,
-                               SCALE=float(scale), E_POW2=triton.next_power_of_2(E))
-    return w, ids
+        _router_kernel[(n_eb, n_split)](x, weight, part, N, E, D, d_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED,
+                                        **cfg)
+    return _topk_launch(part, bias, top_k, norm, scale)
+
+
+def router_topk_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float,
+                    n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    return moe_topk_ref(F.linear(x.float(), weight.float()), bias, top_k, norm, scale, n_group, topk_group)
 
 
 def moe_topk_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float,
@@ -1406,7 +1506,7 @@ def sweep():
     grid = [dict(BLOCK_Q=q, BLOCK_S=bs, num_warps=nw, num_stages=st)
             for q, bs, nw, st in itertools.product((16, 32), (16, 32, 64), (4, 8), (1, 2, 3))]
     run(globals(), "ATTN_BLOCKS", grid, attn)   # the wrappers read these module globals at call time
-    splits = [dict(max_splits=m, min_split_len=n) for m in (64, 128, 256) for n in (64, 128, 256)]
+    splits = [dict(max_splits=m, min_split_len=n, waves=w) for m in (64, 256) for n in (64, 128, 256) for w in (1, 2, 4)]
     run(globals(), "ATTN_SPLITS", splits, attn)
 
 

@@ -592,10 +592,10 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] fp32, expert ids [N, k])"""
-        logits = F.linear(x.float(), self.weight.float())                 # [N, E]; .float() is free on fp32
-        # sigmoid, + bias, top-k, gather, renormalize, scale: one launch on a GPU (K2.6 has one expert group)
-        route = kernels.moe_topk if fused(x.device) and self.n_group == 1 else kernels.moe_topk_ref
-        return route(logits, self.e_score_correction_bias, self.top_k, self.norm, self.scale, self.n_group,
+        # x @ W^T in fp32, sigmoid, + bias, top-k, gather, renormalize, scale: two launches on a GPU (the router
+        # matmul in slices, then routing); K2.6 has one expert group
+        route = kernels.router_topk if fused(x.device) and self.n_group == 1 else kernels.router_topk_ref
+        return route(x, self.weight, self.e_score_correction_bias, self.top_k, self.norm, self.scale, self.n_group,
                      self.topk_group)
 
 
@@ -705,7 +705,8 @@ class Transformer(nn.Module):
 
         start_pos None: no cache; causal attention over `tokens` (or `tree_mask`).
         start_pos int / LongTensor [B]: the new tokens go to cache slots start_pos + [0, T); they see every
-          slot before start_pos and, among themselves, what tree_mask [B, T, T] allows (default causal).
+          slot before start_pos and, among themselves, what tree_mask [B, T, T] bool allows (default causal;
+          or its rows packed, [B, T] int64 as kernels.tree_mask_bits makes them).
         positions [B, T]: rope positions (default start_pos + arange(T); tree verify passes start + depth).
         hidden_layers: return also the outputs of these layers, concatenated: [B, T, len * hidden_size].
         cache_row: the batch uses cache rows cache_row .. cache_row+B-1 (prefilling one sequence of a batch).
@@ -726,8 +727,11 @@ class Transformer(nn.Module):
                                                 or not isinstance(start_pos, int))
         if tree_mask is None:      # causal; built once here rather than in every layer
             tree_mask = _causal(T, tokens.device).expand(B, T, T)
-        if absorb and T <= kernels.MASK_WORD_BITS:   # absorbed attention takes each row packed in a word: pack once
-            tree_mask = kernels.tree_mask_bits(tree_mask)                                   # [B, T] int64
+        packed = tree_mask.dtype == torch.int64      # rows packed by the GPU tree search (tree.Tree.mask_bits)
+        if absorb and T <= kernels.MASK_WORD_BITS and not packed:   # absorbed attention takes each row packed in
+            tree_mask = kernels.tree_mask_bits(tree_mask)           # a word: pack once  [B, T] int64
+        elif packed and not absorb:                                 # the naive path wants the bool mask
+            tree_mask = kernels.tree_mask_unpack(tree_mask)                                 # [B, T, T] bool
         h = self.embed_tokens(tokens)                                                       # [B, T, D]
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_attn_factor, positions, h.dtype)
         taps = []

@@ -59,13 +59,19 @@ class Tree:
     scores: torch.Tensor         # [..., N] float32 log Q(prefix); 0 for root, -inf for padding
     valid: torch.Tensor          # [..., N] bool, False only for padding nodes
     ancestor_mask: torch.Tensor  # [..., N, N] bool, row i: i's ancestors (root included) and i
+    # [..., N] int64: ancestor_mask's rows packed (bit j of word i = ancestor_mask[i, j]), the form the target's
+    # attention takes. Only the GPU search writes it (N <= 64); elsewhere None and the target packs the mask itself.
+    mask_bits: torch.Tensor | None = None
 
     def __getitem__(self, i) -> Tree:
         """Index the batch dim: tree[b] is row b of a batched tree."""
-        return Tree(*(getattr(self, f.name)[i] for f in fields(self)))
+        return self._map(lambda t: t[i])
 
     def to(self, device: torch.device | str) -> Tree:
-        return Tree(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return self._map(lambda t: t.to(device))
+
+    def _map(self, fn) -> Tree:
+        return Tree(*(None if (t := getattr(self, f.name)) is None else fn(t) for f in fields(self)))
 
 
 def _rank_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,19 +246,18 @@ def build_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequenc
     L = draft_logits.shape[1]
     if kernels.use_triton(draft_logits.device) and 1 <= budget <= kernels.TREE_MAX_BUDGET \
             and 1 <= L <= kernels.TREE_MAX_DEPTH:
-        return build_tree_kernel(draft_logits, roots, budget)[0]
+        return build_tree_kernel(draft_logits, roots, budget)
     return build_tree_ops(draft_logits, roots, budget)
 
 
 def build_tree_kernel(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int],
-                      budget: int) -> tuple[Tree, torch.Tensor | None]:
-    """build_tree_batched through kernels.ddtree_search (1 <= budget <= 64, 1 <= L <= 255). Also returns the
-    mask rows packed into int64 words ([b, B+1]; None when B+1 > 64)."""
+                      budget: int) -> Tree:
+    """build_tree_batched through kernels.ddtree_search (1 <= budget <= 64, 1 <= L <= 255). The tree also
+    carries its mask rows packed into int64 words (mask_bits [b, B+1]; None when B+1 > 64)."""
     bsz, L, V = draft_logits.shape
     roots = torch.as_tensor(roots, dtype=torch.long, device=draft_logits.device).reshape(bsz)  # [b]
     lp, tok = _rank_tokens(draft_logits, min(budget, V))                                        # [b, L, K]
-    *nodes, bits = kernels.ddtree_search(lp, tok, roots, budget)     # Tree's fields in order, then the bits
-    return Tree(*nodes), bits
+    return Tree(*kernels.ddtree_search(lp, tok, roots, budget))     # Tree's fields in order, mask_bits last
 
 
 def build_tree_ops(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int],
@@ -411,8 +416,8 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     logits = torch.randn(4, len(words)) * torch.tensor([[4.0], [3.0], [2.0], [1.5]])  # [L=4, V=10]
     tree = build_tree(logits, root=0, budget=12)
-    assert all((getattr(tree, f.name) == getattr(build_tree_ref(logits, 0, 12), f.name)).all()
-               for f in fields(tree))
+    ref = build_tree_ref(logits, 0, 12)
+    assert all((getattr(tree, f.name) == getattr(ref, f.name)).all() for f in fields(tree) if f.name != "mask_bits")
     # pretend the target agreed with the deepest node's path
     deepest = int(tree.depths.argmax())
     accepted = tree.ancestor_mask[deepest].nonzero()[:, 0]

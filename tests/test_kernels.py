@@ -385,6 +385,22 @@ def test_moe_topk_kernel(N, E, k, norm):
 
 
 @needs_kernels
+@pytest.mark.parametrize("N, E, D, k, dtype", [(1, 384, 448, 8, torch.float16), (9, 384, 448, 8, torch.float32),
+                                              (17, 16, 200, 4, torch.float16), (70, 64, 96, 6, torch.float32)])
+def test_router_topk_kernel(N, E, D, k, dtype):
+    """Router matmul in D-slices + routing == F.linear in fp32 + moe_topk_ref: logits to fp32 rounding, the same
+    experts in the same order. D = 200: a masked tail slice; N = 70 > ROUTER_MAX_T: the F.linear branch."""
+    g = torch.Generator().manual_seed(N * E + D)
+    x = torch.randn(N, D, generator=g).to(dtype).to(KERNEL_DEVICE)
+    weight = (torch.randn(E, D, generator=g) / D**0.5).to(torch.bfloat16).float().to(KERNEL_DEVICE)  # a bf16 checkpoint
+    bias = (torch.randn(E, generator=g) * 0.1).to(KERNEL_DEVICE)
+    w, ids = kernels.router_topk(x, weight, bias, k, True, 2.827)
+    w_ref, ids_ref = kernels.router_topk_ref(x, weight, bias, k, True, 2.827)
+    assert ids.dtype == torch.int64 and torch.equal(ids, ids_ref), f"{ids} vs {ids_ref}"
+    assert_close(w, w_ref, 1e-5, f"router_topk weights N={N} E={E} D={D}")
+
+
+@needs_kernels
 @pytest.mark.parametrize("T, E, K", [(1, 384, 8), (9, 384, 8), (17, 8, 2), (3, 16, 4), (64, 384, 8), (5, 7, 7)])
 def test_moe_sort(T, E, K, monkeypatch):
     """One-program pair sort (decode / verify) == the torch.sort path (prefill): the same slot table, and each
@@ -412,7 +428,8 @@ TREE_FIELDS = ["tokens", "parents", "depths", "scores", "valid", "ancestor_mask"
 def check_tree(x: torch.Tensor, roots: torch.Tensor, B: int, msg: str = "") -> None:
     """Every field equal bitwise (scores as int32: -0.0 and -inf padding included), and the packed rows."""
     x, roots = x.to(KERNEL_DEVICE), roots.to(KERNEL_DEVICE)
-    got, bits = T.build_tree_kernel(x, roots, B)
+    got = T.build_tree_kernel(x, roots, B)
+    bits = got.mask_bits
     want = T.build_tree_ops(x, roots, B)
     for f in TREE_FIELDS:
         a, b = getattr(got, f), getattr(want, f)
@@ -478,12 +495,12 @@ def test_ddtree_search_exact_ties(monkeypatch):
 def test_ddtree_search_vs_heap_reference():
     """Against the paper's heap (tree.build_tree_ref) directly, including (0), (1), (0,0), (1,0) all tied."""
     x = torch.tensor([[[0.0, 0.0], [0.0, float("-inf")]]], device=KERNEL_DEVICE)
-    got, _ = T.build_tree_kernel(x, torch.tensor([5], device=KERNEL_DEVICE), 4)
+    got = T.build_tree_kernel(x, torch.tensor([5], device=KERNEL_DEVICE), 4)
     assert got.tokens[0].tolist() == [5, 0, 0, 1, 0] and got.parents[0].tolist() == [-1, 0, 1, 0, 3]
     g = torch.Generator().manual_seed(3)
     for L, V, B in [(4, 6, 20), (16, 3, 64), (1, 1, 5), (7, 40, 1)]:
         x = torch.randn(L, V, generator=g).mul(1.5).round().to(KERNEL_DEVICE)
-        got, _ = T.build_tree_kernel(x[None], torch.tensor([1], device=KERNEL_DEVICE), B)
+        got = T.build_tree_kernel(x[None], torch.tensor([1], device=KERNEL_DEVICE), B)
         ref = T.build_tree_ref(x, 1, B)
         for f in TREE_FIELDS:
             assert torch.equal(getattr(got, f)[0].cpu(), getattr(ref, f)), f"{f} L={L} V={V} B={B}"
@@ -508,7 +525,7 @@ def test_mla_tree_attention_kernel(T, H, prefixes, kind, tiles, dtype, monkeypat
     monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
     if tiles == "small":
         monkeypatch.setattr(kernels, "ATTN_BLOCKS", dict(BLOCK_Q=16, BLOCK_S=16, num_warps=4, num_stages=2))
-        monkeypatch.setattr(kernels, "ATTN_SPLITS", dict(max_splits=8, min_split_len=32))
+        monkeypatch.setattr(kernels, "ATTN_SPLITS", dict(kernels.ATTN_SPLITS, max_splits=8, min_split_len=32))
     R, P = 32, 16
     args = make_attn(len(prefixes), T, H, R, P, prefixes, kind, dtype, KERNEL_DEVICE, seed=T + H)
     out = torch.full_like(args[0], float("nan"))
@@ -530,7 +547,7 @@ def test_mla_tree_attention_kernel(T, H, prefixes, kind, tiles, dtype, monkeypat
 def test_kernels_under_triton_interpreter():
     names = ["fused_moe_kernel", "mla_tree_attention_kernel", "moe_prep_f16_packing", "rms_norm_kernel",
              "rope_kernel", "add_rms_norm_kernel", "mla_latent_to_cache_kernel", "silu_mul_kernel",
-             "moe_topk_kernel", "moe_sort", "ddtree_search_kernel", "ddtree_search_exact_ties",
+             "moe_topk_kernel", "router_topk_kernel", "moe_sort", "ddtree_search_kernel", "ddtree_search_exact_ties",
              "ddtree_search_vs_heap_reference"]
     tests = [f"{__file__}::test_{name}" for name in names]
     env = dict(os.environ, TRITON_INTERPRET="1")
