@@ -8,6 +8,7 @@ the DDTree search, plus the INT4 format helpers.
     mla_tree_attention  absorbed-MLA attention over the compressed cache, with a tree mask for the new tokens
     rms_norm            RMSNorm in one launch instead of eight; with it the rest of a layer's decode glue (rope, the
                         cache write, add + norm, SwiGLU, routing top-k, the MoE pair sort), one launch each
+    router_topk         the fp32 router matmul (split over D, exact products for bf16 inputs) + routing, two launches
     ddtree_search       the DDTree best-first search (tree.py) in one launch
     pack_int4 / unpack_int4 / dequant_int4_ref   the single source of truth for the INT4 bit order
 
