@@ -75,22 +75,12 @@ class Tree:
 
 
 def _rank_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k (logp, token) per depth, ordered by (logp desc, token id asc)."""
+    """Top-k (logp, token) per depth, ordered by (logp desc, token id asc): kernels.rank_topk on a GPU, its twin
+    (a top-k of unique (logp, token) keys) elsewhere; the same bits either way."""
     logp = F.log_softmax(draft_logits.float(), dim=-1)  # [..., L, V]
-    if logp.is_cuda:
-        # a stable sort keeps equal logps in increasing token id; topk's tie order is unspecified.
-        # (the full-vocab sort is the price of that determinism: ~0.17 ms for [7, 163840] on an H200,
-        # still faster there than the keyed top-k below)
-        lp, tok = torch.sort(logp, dim=-1, descending=True, stable=True)  # [..., L, V]
-        return lp[..., :k], tok[..., :k]
-    # CPU: top-k of unique int64 keys, the same order with no ties left: the float's bits made order-preserving
-    # (negative floats: magnitude bits flipped; + 0.0 turns -0.0 into 0.0, its equal) in the high word, V-1-token
-    # in the low one. 0.10 ms instead of the sort's 1.8 ms for [7, 4352] (2 cores).
-    V = logp.shape[-1]
-    bits = (logp + 0.0).view(torch.int32).long()
-    keys = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) << 32) | (V - 1 - torch.arange(V, device=logp.device))
-    tok = keys.topk(k, dim=-1).indices                                   # [..., L, k]
-    return logp.gather(-1, tok), tok
+    if kernels.use_triton(logp.device) and k <= kernels.RANK_MAX_K:
+        return kernels.rank_topk(logp, k)
+    return kernels.rank_topk_ref(logp, k)
 
 
 # -----------------------------------------------------------------------------

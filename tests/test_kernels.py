@@ -401,6 +401,36 @@ def test_router_topk_kernel(N, E, D, k, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("V, k, kind", [(37, 37, "ints"), (300, 8, "gauss"), (1024, 64, "ints"), (1500, 16, "ties"),
+                                        (4352, 8, "gauss"), (4352, 63, "neg_inf"), (20000, 16, "gauss"),
+                                        (20000, 5, "zeros")])
+def test_rank_topk_kernel(V, k, kind):
+    """Top-k of (logp desc, token asc) without a vocabulary sort == the keyed top-k twin == a stable sort, bit for
+    bit: exact ties, -0.0 next to 0.0, -inf, all-equal rows; one chunk (V <= 1024), several (merge launch), and
+    the 4096-token chunks of a large vocabulary (V = 20000)."""
+    g = torch.Generator().manual_seed(V + k)
+    x = torch.randn(3, V, generator=g) * 3
+    if kind == "ints":
+        x = x.round()
+    elif kind == "ties":
+        x = (x * 0.5).round()
+    elif kind == "neg_inf":
+        x[torch.rand(3, V, generator=g) < 0.5] = float("-inf")
+    elif kind == "zeros":
+        x = torch.zeros(3, V)
+    logp = torch.log_softmax(x, -1).to(KERNEL_DEVICE)
+    if kind == "ties":
+        logp[:, 7], logp[:, 9] = 0.0, -0.0                               # a -0.0 must tie with 0.0 (token order)
+        assert logp[0, 9].signbit() and not logp[0, 7].signbit()
+    lp, tok = kernels.rank_topk(logp, k)
+    lp_ref, tok_ref = kernels.rank_topk_ref(logp, k)
+    want_lp, want_tok = torch.sort(logp, dim=-1, descending=True, stable=True)
+    assert torch.equal(tok, tok_ref) and torch.equal(tok, want_tok[:, :k]), f"{tok}\n{want_tok[:, :k]}"
+    assert torch.equal(lp.view(torch.int32), lp_ref.view(torch.int32))
+    assert torch.equal(lp.view(torch.int32), want_lp[:, :k].contiguous().view(torch.int32))
+
+
+@needs_kernels
 @pytest.mark.parametrize("T, E, K", [(1, 384, 8), (9, 384, 8), (17, 8, 2), (3, 16, 4), (64, 384, 8), (5, 7, 7)])
 def test_moe_sort(T, E, K, monkeypatch):
     """One-program pair sort (decode / verify) == the torch.sort path (prefill): the same slot table, and each
@@ -547,7 +577,7 @@ def test_mla_tree_attention_kernel(T, H, prefixes, kind, tiles, dtype, monkeypat
 def test_kernels_under_triton_interpreter():
     names = ["fused_moe_kernel", "mla_tree_attention_kernel", "moe_prep_f16_packing", "rms_norm_kernel",
              "rope_kernel", "add_rms_norm_kernel", "mla_latent_to_cache_kernel", "silu_mul_kernel",
-             "moe_topk_kernel", "router_topk_kernel", "moe_sort", "ddtree_search_kernel", "ddtree_search_exact_ties",
+             "moe_topk_kernel", "router_topk_kernel", "rank_topk_kernel", "moe_sort", "ddtree_search_kernel", "ddtree_search_exact_ties",
              "ddtree_search_vs_heap_reference"]
     tests = [f"{__file__}::test_{name}" for name in names]
     env = dict(os.environ, TRITON_INTERPRET="1")

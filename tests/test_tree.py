@@ -268,7 +268,8 @@ def test_format_tree():
 def test_builder_op_count(monkeypatch):
     """On a GPU the builder is launch-bound (tiny tensors, about one kernel per aten op): it stays at six ops
     per depth plus a constant. Counts the non-view aten ops of one B=8, L=7 build (its plan already made), with
-    the GPU's ranking (one stable sort; the CPU's keyed top-k is more ops and far less time there)."""
+    the ranking as one op (a stable sort: on a GPU kernels.rank_topk ranks in two launches, on a CPU the keyed
+    top-k is more ops and far less time), so the count is the builder's own."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     def rank_like_gpu(draft_logits, k):
