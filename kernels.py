@@ -1172,7 +1172,8 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k
     n_eb = triton.cdiv(E, cfg["BLOCK_E"])
     # slices of D for ~2 waves of programs; on CPU only the interpreter runs this: pretend to have 16 SMs
     n_sm = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 16
-    d_split = triton.cdiv(triton.cdiv(D, max(1, triton.cdiv(2 * n_sm, n_eb))), cfg["BLOCK_D"]) * cfg["BLOCK_D"]
+    want_splits = triton.cdiv(2 * n_sm, n_eb)
+    d_split = triton.cdiv(triton.cdiv(D, want_splits), cfg["BLOCK_D"]) * cfg["BLOCK_D"]   # whole BLOCK_D tiles
     n_split = triton.cdiv(D, d_split)                                       # no empty slice
     part = _empty((n_split, N, E), torch.float32, x.device)                 # [splits, N, E] partial logits
     if N:

@@ -34,9 +34,10 @@ API: build_tree(logits [L, V], root, B) / build_tree_batched(logits [b, L, V], r
 chain_tree(_batched) (the DFlash chain in the same format); print_tree / format_tree.
 Two batched builders give the same Tree bit for bit: build_tree_ops, 65 tensor ops at B=8, L=7 (six per
 depth; any device), and on a GPU build_tree_kernel, the search as one Triton launch (kernels.ddtree_search,
-B <= 64). Both rank with _rank_tokens (log_softmax + a stable vocabulary sort). Measured on one H200 (CUDA
-graph, b=1, L=7, 2026-11-30): V=4352 B=8 252.8 us -> 69.3 us, of which the ranking 65.8 us; V=163840 B=8
-379.0 -> 169.8 us (ranking 165.9). NaN logits are not supported.
+B <= 64). Both rank with _rank_tokens: log_softmax, then the top K by (logp desc, token asc) - on a GPU
+kernels.rank_topk (two launches, no vocabulary sort), elsewhere a top-k of unique keys; the same bits. Measured
+on one H200 (`bench.py tree`, CUDA graph, b=1, 2026-11-30): V=4352 L=7 B=8 181.5 us (ops) -> 12.6 us (kernels,
+ranking 9.3); V=163840 L=15 B=16 689.6 -> 77.9 us (ranking 71.7). NaN logits are not supported.
 """
 from __future__ import annotations
 
