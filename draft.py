@@ -230,24 +230,14 @@ def rope_inv_freq(a: DraftArgs) -> tuple[torch.Tensor, float]:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, amp: float, positions: torch.Tensor, dtype) -> tuple:
-    """positions [B, T] -> cos, sin [B, T, head_dim] laid out for apply_rope: (cos, cos) and (-sin, +sin) of
-    the angles (fp32 angles, cast like transformers)."""
-    ang = positions.float().unsqueeze(-1) * inv_freq                                     # [B, T, hd/2]
-    cos, sin = ang.cos(), ang.sin()
-    if amp != 1.0:
-        cos, sin = cos * amp, sin * amp
-    cos, sin = cos.to(dtype), sin.to(dtype)
-    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)                 # [B, T, hd] each
+    """positions [B, T] -> cos, sin [B, T, head_dim] for apply_rope: model.rope_cos_sin in Qwen3's halves layout."""
+    return M.rope_cos_sin(inv_freq, amp, positions, dtype, interleaved=False)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, hd]: rotate the pairs (x1, x2) = (x[i], x[i + hd/2]) by cos/sin [B, T, hd] from rope_cos_sin:
-    x * (cos, cos) + (x2, x1) * (-sin, sin) = x * cos + rotate_half(x) * sin, bit for bit (the sign sits in sin);
-    on a GPU one launch (kernels.rope, equal to within one rounding)."""
-    hd = x.shape[-1]
-    if M.fused(x.device) and hd & (hd - 1) == 0:
-        return kernels.rope(x, cos, sin, interleaved=False)                               # one launch
-    return kernels.rope_ref(x, cos, sin, interleaved=False)
+    """x [B, T, H, hd]: rotate the pairs (x[i], x[i + hd/2]) (x * cos + rotate_half(x) * sin, bit for bit):
+    model.apply_rope on Qwen3's halves."""
+    return M.apply_rope(x, cos, sin, interleaved=False)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -440,11 +440,16 @@ def _expert_ids(n: int, device) -> torch.Tensor:
     return _EXPERT_IDS[n, device]
 
 
+def _sm_count(device) -> int:
+    # SMs a grid is sized for. On CPU only the interpreter runs the kernels: pretend to have 16, so tests exercise
+    # several splits.
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+
+
 def _split_k(n_units: int, n_programs: int, device) -> int:
-    # slices of the reduction dim so that ~2 waves of programs fill the GPU (on CPU only the interpreter runs this:
-    # pretend to have 16 SMs, so tests exercise several splits)
-    n_sm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
-    return max(1, min(MOE_MAX_SPLIT_K, n_units, triton.cdiv(2 * n_sm, n_programs)))
+    # slices of the reduction dim so that ~2 waves of programs fill the GPU
+    return max(1, min(MOE_MAX_SPLIT_K, n_units, triton.cdiv(2 * _sm_count(device), n_programs)))
 
 
 def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y):
@@ -780,10 +785,8 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     assert MIN_SPLIT % BLOCK_S == 0, "min_split_len must be a multiple of BLOCK_S"
     n_qblocks = triton.cdiv(T * H, BLOCK_Q)
     # the grid depends on shapes only (no sync): splits for ~`waves` waves, at most one per MIN_SPLIT keys of the cache
-    # (on CPU only the interpreter runs this: pretend to have SMs, so tests exercise several splits)
-    n_sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 16
     num_splits = max(1, min(ATTN_SPLITS["max_splits"], triton.cdiv(cache.shape[1], MIN_SPLIT),
-                            triton.cdiv(ATTN_SPLITS["waves"] * n_sm, B * n_qblocks)))
+                            triton.cdiv(ATTN_SPLITS["waves"] * _sm_count(q_lat.device), B * n_qblocks)))
 
     bits = tree_mask.contiguous() if packed else tree_mask_bits(tree_mask)       # [B, T] int64
     o_part = _empty((B, num_splits, T * H, R), torch.float32, q_lat.device)
@@ -1170,9 +1173,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k
     cfg = ROUTER_BLOCKS
     block_t = max(16, triton.next_power_of_2(N))                            # tl.dot's smallest tile is 16
     n_eb = triton.cdiv(E, cfg["BLOCK_E"])
-    # slices of D for ~2 waves of programs; on CPU only the interpreter runs this: pretend to have 16 SMs
-    n_sm = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 16
-    want_splits = triton.cdiv(2 * n_sm, n_eb)
+    want_splits = triton.cdiv(2 * _sm_count(x.device), n_eb)               # slices of D for ~2 waves of programs
     d_split = triton.cdiv(triton.cdiv(D, want_splits), cfg["BLOCK_D"]) * cfg["BLOCK_D"]   # whole BLOCK_D tiles
     n_split = triton.cdiv(D, d_split)                                       # no empty slice
     part = _empty((n_split, N, E), torch.float32, x.device)                 # [splits, N, E] partial logits
@@ -1390,6 +1391,14 @@ def _token_keys(logp_row, v, V):
 
 
 @triton.jit
+def _store_ranked(key, logp_row, V, lp_out, tok_out):
+    # a winning key -> its token (from the low word) and that token's logp, read back from logp
+    tok = V - 1 - (key & 0xFFFFFFFF)
+    tl.store(tok_out, tok)
+    tl.store(lp_out, tl.load(logp_row + tok))
+
+
+@triton.jit
 def _rank_chunk_kernel(logp_ptr, keys_ptr, lp_ptr, tok_ptr, V, N_CHUNKS, K: tl.constexpr, CHUNK: tl.constexpr,
                        FINAL: tl.constexpr):
     # program (row, chunk): the chunk's K largest keys in descending order -> keys[row, chunk, :]; FINAL (one
@@ -1401,9 +1410,7 @@ def _rank_chunk_kernel(logp_ptr, keys_ptr, lp_ptr, tok_ptr, V, N_CHUNKS, K: tl.c
         best = tl.max(key, 0)
         key = tl.where(key == best, _KEY_NONE, key)                  # keys are unique: removes exactly one
         if FINAL:
-            tok = V - 1 - (best & 0xFFFFFFFF)
-            tl.store(tok_ptr + row * K + j, tok)
-            tl.store(lp_ptr + row * K + j, tl.load(logp_ptr + row * V + tok))
+            _store_ranked(best, logp_ptr + row * V, V, lp_ptr + row * K + j, tok_ptr + row * K + j)
         else:
             tl.store(keys_ptr + (row * N_CHUNKS + chunk) * K + j, best)
 
@@ -1417,9 +1424,7 @@ def _rank_merge_kernel(keys_ptr, logp_ptr, lp_ptr, tok_ptr, V, N_CAND, K: tl.con
     for j in range(K):
         best = tl.max(key, 0)
         key = tl.where(key == best, _KEY_NONE, key)
-        tok = V - 1 - (best & 0xFFFFFFFF)
-        tl.store(tok_ptr + row * K + j, tok)
-        tl.store(lp_ptr + row * K + j, tl.load(logp_ptr + row * V + tok))
+        _store_ranked(best, logp_ptr + row * V, V, lp_ptr + row * K + j, tok_ptr + row * K + j)
 
 
 def rank_topk(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -413,26 +413,30 @@ def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
     return inv_freq, float(af)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, attn_factor: float, positions: torch.Tensor, dtype) -> tuple:
-    """positions [B, T] -> cos, sin [B, T, rope_dim] laid out for apply_rope: per pair (cos, cos) and
-    (-sin, +sin) of its angle (computed in fp32, cast like transformers). Once per forward, for every layer."""
+def rope_cos_sin(inv_freq: torch.Tensor, attn_factor: float, positions: torch.Tensor, dtype,
+                 interleaved: bool = True) -> tuple:
+    """positions [B, T] -> cos, sin [B, T, rope_dim] laid out for apply_rope: (cos, cos) and (-sin, +sin) of each
+    pair's angle, per adjacent pair (interleaved, K2) or as halves (the drafter's Qwen3 rope). Computed in fp32,
+    cast like transformers; once per forward, for every layer."""
     ang = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)   # [B, T, dim/2]
     cos, sin = ang.cos(), ang.sin()
     if attn_factor != 1.0:
         cos, sin = cos * attn_factor, sin * attn_factor
     cos, sin = cos.to(dtype), sin.to(dtype)
-    return torch.stack((cos, cos), dim=-1).flatten(-2), torch.stack((-sin, sin), dim=-1).flatten(-2)
+    if interleaved:
+        return torch.stack((cos, cos), dim=-1).flatten(-2), torch.stack((-sin, sin), dim=-1).flatten(-2)
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (x1, x2) = (x[2i], x[2i+1]) of x [B, T, (H,) P] by the angles in cos/sin
-    [B, T, P] from rope_cos_sin: x * (cos, cos) + (x2, x1) * (-sin, sin) = (x1 cos - x2 sin, x2 cos + x1 sin),
-    bit for bit (the sign sits in sin): four elementwise ops (kernels.rope_ref), or on a GPU one launch
-    (kernels.rope, equal to within one rounding)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+    """Rotate the pairs (x1, x2) of x [B, T, (H,) P] - adjacent (x[2i], x[2i+1]) when interleaved, else
+    (x[i], x[i + P/2]) - by the angles in cos/sin [B, T, P] from rope_cos_sin: x * (cos, cos) + (x2, x1) *
+    (-sin, sin) = (x1 cos - x2 sin, x2 cos + x1 sin), bit for bit (the sign sits in sin): four elementwise ops
+    (kernels.rope_ref), or on a GPU one launch (kernels.rope, equal to within one rounding)."""
     P = x.shape[-1]
     if fused(x.device) and P & (P - 1) == 0:
-        return kernels.rope(x, cos, sin)
-    return kernels.rope_ref(x, cos, sin)
+        return kernels.rope(x, cos, sin, interleaved=interleaved)
+    return kernels.rope_ref(x, cos, sin, interleaved=interleaved)
 
 
 # ----------------------------------------------------------------------------------------------

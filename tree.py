@@ -160,20 +160,18 @@ def ancestor_mask(parents) -> torch.Tensor:
 
 def _assemble(roots: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, dep: torch.Tensor,
               score: torch.Tensor, budget: int, depth_limit: int) -> Tree:
-    """Prepend the root, pad to N = budget + 1 with padding nodes, build the ancestor mask.
+    """Prepend the root, build the ancestor mask, pad to N = budget + 1 with padding nodes (_pad).
 
     tok/par/dep/score are [b, n] for the n <= budget real non-root nodes, in node order 1..n.
     """
     b, n = tok.shape
-    pad, dev = budget - n, tok.device
-    col = lambda v, m, dt: torch.full((b, m), v, dtype=dt, device=dev)  # [b, m]
-    tokens = torch.cat([roots[:, None], tok, roots[:, None].expand(b, pad)], dim=1)     # [b, N]
-    parents = torch.cat([col(-1, 1, torch.long), par, col(-1, pad, torch.long)], dim=1)  # [b, N]
-    depths = torch.cat([col(0, 1, torch.long), dep, col(0, pad, torch.long)], dim=1)     # [b, N]
-    scores = torch.cat([col(0.0, 1, torch.float32), score,
-                        col(float("-inf"), pad, torch.float32)], dim=1)                 # [b, N]
-    valid = (torch.arange(budget + 1, device=dev) <= n).expand(b, budget + 1)           # [b, N]
-    return Tree(tokens, parents, depths, scores, valid, _ancestor_mask(parents, depth_limit))
+    col = lambda v, dt: torch.full((b, 1), v, dtype=dt, device=tok.device)             # [b, 1]
+    parents = torch.cat([col(-1, torch.long), par], dim=1)                              # [b, n+1]
+    tokens = torch.cat([roots[:, None], tok], dim=1)                                    # [b, n+1]
+    depths = torch.cat([col(0, torch.long), dep], dim=1)                                # [b, n+1]
+    scores = torch.cat([col(0.0, torch.float32), score], dim=1)                         # [b, n+1]
+    valid = torch.ones(b, n + 1, dtype=torch.bool, device=tok.device)                  # [b, n+1]
+    return _pad(Tree(tokens, parents, depths, scores, valid, _ancestor_mask(parents, depth_limit)), budget + 1)
 
 
 @dataclass
