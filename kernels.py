@@ -3,8 +3,8 @@ Triton kernels for a Kimi K2.6 decode / tree-verify step: its two hot spots, the
 the DDTree search, plus the INT4 format helpers.
 
     fused_moe_w4a16     routed experts straight from the INT4 pack-quantized checkpoint layout: a bandwidth-bound
-                        GEMV for decode / verify (dequantization in ~20 PTX instructions per int32 word), tl.dot
-                        tiles for prefill
+                        GEMV for decode / verify (~17 instructions per int32 word of 8 weights; an expert that
+                        two tokens chose is read once for both), tl.dot tiles for prefill
     mla_tree_attention  absorbed-MLA attention over the compressed cache, with a tree mask for the new tokens
     rms_norm            RMSNorm in one launch instead of eight; with it the rest of a layer's decode glue (rope, the
                         cache write, add + norm, SwiGLU, routing top-k, the MoE pair sort), one launch each
@@ -97,18 +97,23 @@ def dequant_int4_ref(packed: torch.Tensor, scale: torch.Tensor, group_size: int 
 # pairs.
 #
 # Decode / verify (T <= MOE_GEMV_MAX_T, 16-bit activations): a GEMV, bandwidth-bound, ~1 pair per expert.
-#   The whole cost is streaming INT4 words from HBM and turning them into products fast enough to keep up. Three things
-#   got it from 19% to ~70% of the H200's copy bandwidth (kernels.py self-test, docs/BENCHMARKS.md):
+#   The whole cost is streaming INT4 words from HBM and turning them into products fast enough to keep up. These
+#   got it from 19% to 75-81% of the H200's copy bandwidth at 9-17 tokens (kernels.py self-test, docs/BENCHMARKS.md):
 #   - no tl.dot and no [BLOCK_N, BLOCK_K] dequantized tile: each int32 word is reduced against the 8 activations it
 #     multiplies, where it was loaded (a tl.dot needs the tile reshaped and moved through shared memory);
 #   - row strides passed as arguments, so the compiler proves 16-byte alignment and issues 128-bit loads;
 #   - Marlin's dequantization trick in ~20 PTX instructions per word (_DEQUANT_DOT_PTX): `lop3` ORs two nibbles into
 #     the mantissas of two fp16 1024.0s at once, one f16x2 subtract / fma turns them into q = u - 8 exactly, and
-#     four f16x2 fmas form the 8 products. No int->float conversion instruction (quarter rate) is left.
+#     four f16x2 fmas form the 8 products. No int->float conversion instruction (quarter rate) is left;
+#   - the products of a run of 4 words (one scale group) summed in f16x2 and converted to fp32 once, and no load
+#     masks when the tiles cover the weight (EVEN): ~21 -> ~17 SASS instructions per word;
+#   - an expert's pairs two at a time (PAIRS = 2), so an expert that two tokens chose is streamed once for both:
+#     a tree's tokens share many experts (siblings route alike; 117 experts for 136 pairs at 17 random tokens).
 #   The activations are packed for that dot by _moe_prep_f16: plane p holds f16x2 (x[8w+p], x[8w+p+4]) - the nibble
 #   order the lop3 masks produce - scaled by a power of two per row so that max |x| is in [1, 2): fp16 cannot
 #   overflow (an activation of 1e5 is fine) and the scale is undone exactly on the fp32 output. fp16 keeps 11 bits,
-#   more than the bf16 activations carry, so the only rounding is the f16x2 accumulation of 4 products per half.
+#   more than the bf16 activations carry, so the only rounding is the f16x2 accumulation of 16 products per half
+#   (|sum| <= 256; max error 2.3-3.0e-3 of the largest output against the reference, 2.2-2.7e-3 with 4, H200).
 #   Stage 1 (gate/up) sums SPLIT_K slices of D when too few experts are live to fill the GPU (TP8 decode);
 #   _moe_prep_f16 then sums the slices, applies SwiGLU and packs h for stage 2 (down), which also applies the routing
 #   weight. Per-pair buffers instead of atomics: deterministic, the same bits every run.
@@ -117,8 +122,8 @@ def dequant_int4_ref(packed: torch.Tensor, scale: torch.Tensor, group_size: int 
 # The interpreter (CPU tests) cannot run PTX: there the GEMV uses _dequant_dot_portable, the same data in plain Triton.
 
 MOE_GEMV_MAX_T = 64
-MOE_GEMV_BLOCKS = dict(gate_up=dict(BLOCK_N=32, BLOCK_W=64, num_warps=4, num_stages=2),     # BLOCK_W int32 words
-                       down=dict(BLOCK_N=64, BLOCK_W=32, num_warps=4, num_stages=2))        # = 8 * BLOCK_W columns
+MOE_GEMV_BLOCKS = dict(gate_up=dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=2),    # BLOCK_W int32 words
+                       down=dict(BLOCK_N=64, BLOCK_W=64, num_warps=4, num_stages=2))        # = 8 * BLOCK_W columns
 # Launch configs (BLOCK_N output rows, BLOCK_K input columns, a multiple of the group) of the tl.dot path.
 MOE_BLOCKS = dict(gate_up=dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
                   down=dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2))
@@ -160,14 +165,13 @@ def _load_slot(slots_ptr):
 
 # --- decode / verify path: GEMV on packed f16x2 activations ---
 
-# d = sum_i q_i * x_i for one int32 word of 8 nibbles; $1 the word, $2..$5 the f16x2 planes (x0,x4) (x1,x5) (x2,x6)
-# (x3,x7); $0 the fp32 result. Nibbles 0/4 (mask 0x000F000F) OR'd into fp16 1024.0 (0x6400) give 1024 + u; nibbles
-# 1/5 (mask 0x00F000F0) give 1024 + 16u, turned into u - 8 by * 1/16 (0x2C00) - 72 (0xD480); word >> 8 repeats
-# both for nibbles 2/6 and 3/7. Every step is exact except the f16x2 products and sums.
+# acc + sum_i q_i * x_i for one int32 word of 8 nibbles, in f16x2: $1 the word, $2..$5 the f16x2 planes (x0,x4)
+# (x1,x5) (x2,x6) (x3,x7), $6 the running f16x2 sum; $0 the new sum. Nibbles 0/4 (mask 0x000F000F) OR'd into fp16
+# 1024.0 (0x6400) give 1024 + u; nibbles 1/5 (mask 0x00F000F0) give 1024 + 16u, turned into u - 8 by * 1/16
+# (0x2C00) - 72 (0xD480); word >> 8 repeats both for nibbles 2/6 and 3/7. Every step is exact except the f16x2
+# products and sums.
 _DEQUANT_DOT_PTX = """{
-    .reg .b32 w2, t0, t1, t2, t3, m_lo, m_hi, magic, bias, sc, off, acc;
-    .reg .b16 lo, hi;
-    .reg .f32 f0, f1, f2;
+    .reg .b32 w2, t0, t1, t2, t3, m_lo, m_hi, magic, bias, sc, off, s;
     mov.b32 m_lo, 0x000F000F;
     mov.b32 m_hi, 0x00F000F0;
     mov.b32 magic, 0x64006400;
@@ -183,17 +187,26 @@ _DEQUANT_DOT_PTX = """{
     fma.rn.f16x2 t1, t1, sc, off;
     sub.f16x2 t2, t2, bias;
     fma.rn.f16x2 t3, t3, sc, off;
-    mul.rn.f16x2 acc, t0, $2;
-    fma.rn.f16x2 acc, t1, $3, acc;
-    fma.rn.f16x2 acc, t2, $4, acc;
-    fma.rn.f16x2 acc, t3, $5, acc;
-    mov.b32 {lo, hi}, acc;
+    fma.rn.f16x2 s, t0, $2, $6;
+    fma.rn.f16x2 s, t1, $3, s;
+    fma.rn.f16x2 s, t2, $4, s;
+    fma.rn.f16x2 s, t3, $5, s;
+    mov.b32 $0, s;
+}"""
+# the two fp16 halves of an f16x2 sum, added in fp32
+_F16X2_SUM_PTX = """{
+    .reg .b16 lo, hi;
+    .reg .f32 f0, f1;
+    mov.b32 {lo, hi}, $1;
     cvt.f32.f16 f0, lo;
     cvt.f32.f16 f1, hi;
-    add.f32 f2, f0, f1;
-    mov.b32 $0, f2;
+    add.f32 $0, f0, f1;
 }"""
-_DEQUANT_DOT_PTX = tl.constexpr(_DEQUANT_DOT_PTX) if HAS_TRITON else _DEQUANT_DOT_PTX  # a jit global must be constexpr
+# the first word of a run: its products alone (no running sum to add)
+_DEQUANT_MUL_PTX = _DEQUANT_DOT_PTX.replace("fma.rn.f16x2 s, t0, $2, $6", "mul.rn.f16x2 s, t0, $2")
+if HAS_TRITON:   # a jit global must be constexpr
+    _DEQUANT_DOT_PTX, _DEQUANT_MUL_PTX = tl.constexpr(_DEQUANT_DOT_PTX), tl.constexpr(_DEQUANT_MUL_PTX)
+    _F16X2_SUM_PTX = tl.constexpr(_F16X2_SUM_PTX)
 
 
 @triton.jit
@@ -205,7 +218,7 @@ def _f16_half(packed, HIGH: tl.constexpr):
 
 @triton.jit
 def _dequant_dot_portable(words, x04, x15, x26, x37):
-    # the PTX's data and result in plain Triton (fp32 products): what the interpreter runs
+    # the PTX's data in plain Triton (fp32 products and sums): what the interpreter runs. [BN, BW] one sum per word
     acc = tl.zeros(words.shape, dtype=tl.float32)
     for p in tl.static_range(4):
         if p == 0:
@@ -223,25 +236,91 @@ def _dequant_dot_portable(words, x04, x15, x26, x37):
 
 
 @triton.jit
-def _group_dot(w_rows, s_rows, xk_row, n_words, w0, n_mask,
-               GW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PTX: tl.constexpr):
-    # Rows n of W (pointers w_rows / s_rows [BLOCK_N, 1]) times one packed activation row xk_row [4, n_words], over the
-    # words w0 .. w0+BLOCK_W: [BLOCK_N, BLOCK_W // GW] fp32, one sum per scale group (GW words), already scaled.
-    ww = w0 + tl.arange(0, BLOCK_W)
-    w_mask = ww < n_words
-    words = tl.load(w_rows + ww[None, :], mask=n_mask[:, None] & w_mask[None, :], other=0)   # [BN, BW] int32
-    x04 = tl.broadcast_to(tl.load(xk_row + ww, mask=w_mask, other=0)[None, :], (BLOCK_N, BLOCK_W))       # f16x2 planes
-    x15 = tl.broadcast_to(tl.load(xk_row + n_words + ww, mask=w_mask, other=0)[None, :], (BLOCK_N, BLOCK_W))
-    x26 = tl.broadcast_to(tl.load(xk_row + 2 * n_words + ww, mask=w_mask, other=0)[None, :], (BLOCK_N, BLOCK_W))
-    x37 = tl.broadcast_to(tl.load(xk_row + 3 * n_words + ww, mask=w_mask, other=0)[None, :], (BLOCK_N, BLOCK_W))
-    if PTX:
-        d = tl.inline_asm_elementwise(_DEQUANT_DOT_PTX, "=r,r,r,r,r,r", [words, x04, x15, x26, x37],
-                                      dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+def _dequant_dot_word(words, x04, x15, x26, x37, acc, FIRST: tl.constexpr):
+    # acc + this word's 8 products (f16x2); FIRST: no acc yet (a mul instead of zeroing a register per run)
+    if FIRST:
+        s = tl.inline_asm_elementwise(_DEQUANT_MUL_PTX, "=r,r,r,r,r,r", [words, x04, x15, x26, x37],
+                                      dtype=tl.int32, is_pure=True, pack=1)
     else:
-        d = _dequant_dot_portable(words, x04, x15, x26, x37)
+        s = tl.inline_asm_elementwise(_DEQUANT_DOT_PTX, "=r,r,r,r,r,r,r", [words, x04, x15, x26, x37, acc],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    return s
+
+
+@triton.jit
+def _halves(v):
+    # [R, 2C] -> (columns 0, 2, 4, ..., columns 1, 3, 5, ...), [R, C] each
+    return tl.split(tl.reshape(v, (v.shape[0], v.shape[1] // 2, 2)))
+
+
+@triton.jit
+def _split_words(w, a, b, c, d):
+    # words w and their four activation planes a..d -> the even columns of all five, then the odd ones
+    w0, w1 = _halves(w)
+    a0, a1 = _halves(a)
+    b0, b1 = _halves(b)
+    c0, c1 = _halves(c)
+    d0, d1 = _halves(d)
+    return w0, a0, b0, c0, d0, w1, a1, b1, c1, d1
+
+
+@triton.jit
+def _dequant_dot_runs(words, x04, x15, x26, x37, RUN: tl.constexpr):
+    # [BN, BW] words -> [BN, BW // RUN] fp32: each a sum over RUN consecutive words (RUN in 1, 2, 4) accumulated in
+    # f16x2 and converted once: one conversion per run instead of per word saves ~3 of ~21 instructions per word
+    # (sm_90 SASS). |sum| <= 16 RUN * 8 * 2 (|q| <= 8, |x| < 2 after the row's power-of-two scale): no overflow.
+    if RUN == 1:
+        acc = _dequant_dot_word(words, x04, x15, x26, x37, None, True)
+    else:
+        w_e, a_e, b_e, c_e, d_e, w_o, a_o, b_o, c_o, d_o = _split_words(words, x04, x15, x26, x37)
+        if RUN == 2:                        # words 2r and 2r+1 of run r
+            acc = _dequant_dot_word(w_e, a_e, b_e, c_e, d_e, None, True)
+            acc = _dequant_dot_word(w_o, a_o, b_o, c_o, d_o, acc, False)
+        else:                               # RUN == 4: halve again -> words 4r, 4r+2 and 4r+1, 4r+3
+            w0, a0, b0, c0, d0, w2, a2, b2, c2, d2 = _split_words(w_e, a_e, b_e, c_e, d_e)
+            w1, a1, b1, c1, d1, w3, a3, b3, c3, d3 = _split_words(w_o, a_o, b_o, c_o, d_o)
+            acc = _dequant_dot_word(w0, a0, b0, c0, d0, None, True)
+            acc = _dequant_dot_word(w1, a1, b1, c1, d1, acc, False)
+            acc = _dequant_dot_word(w2, a2, b2, c2, d2, acc, False)
+            acc = _dequant_dot_word(w3, a3, b3, c3, d3, acc, False)
+    return tl.inline_asm_elementwise(_F16X2_SUM_PTX, "=r,r", [acc], dtype=tl.int32, is_pure=True,
+                                     pack=1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _weight_tile(w_rows, s_rows, n_words, w0, n_mask, GW: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
+    # Rows n of W (pointers w_rows / s_rows [BLOCK_N, 1]), words w0 .. w0+BLOCK_W: ([BN, BW] int32 words, their
+    # [BN, BW // GW] fp32 group scales). EVEN: whole tiles only (the caller checked), so no masks: a masked load
+    # zeroes its registers first (~5% of the loop's instructions).
+    ww = w0 + tl.arange(0, BLOCK_W)
     offs_g = w0 // GW + tl.arange(0, BLOCK_W // GW)
-    s = tl.load(s_rows + offs_g[None, :], mask=n_mask[:, None] & (offs_g < n_words // GW)[None, :], other=0.0)
-    return tl.sum(tl.reshape(d, (BLOCK_N, BLOCK_W // GW, GW)), 2) * s.to(tl.float32)
+    w_mask = None if EVEN else n_mask[:, None] & (ww < n_words)[None, :]
+    g_mask = None if EVEN else n_mask[:, None] & (offs_g < n_words // GW)[None, :]
+    z = None if EVEN else 0                                                     # `other` needs a mask
+    words = tl.load(w_rows + ww[None, :], mask=w_mask, other=z)
+    s = tl.load(s_rows + offs_g[None, :], mask=g_mask, other=z)
+    return words, s.to(tl.float32)
+
+
+@triton.jit
+def _tile_dot(words, s, xk_row, n_words, w0, GW: tl.constexpr, BLOCK_W: tl.constexpr, PTX: tl.constexpr,
+              EVEN: tl.constexpr):
+    # a weight tile (_weight_tile) times one packed activation row xk_row [4, n_words] over the same words:
+    # [BN, BW // GW] fp32, one sum per scale group (GW words), already scaled
+    BLOCK_N: tl.constexpr = words.shape[0]
+    ww = w0 + tl.arange(0, BLOCK_W)
+    w_mask = None if EVEN else ww < n_words
+    z = None if EVEN else 0
+    x04 = tl.broadcast_to(tl.load(xk_row + ww, mask=w_mask, other=z)[None, :], (BLOCK_N, BLOCK_W))       # f16x2 planes
+    x15 = tl.broadcast_to(tl.load(xk_row + n_words + ww, mask=w_mask, other=z)[None, :], (BLOCK_N, BLOCK_W))
+    x26 = tl.broadcast_to(tl.load(xk_row + 2 * n_words + ww, mask=w_mask, other=z)[None, :], (BLOCK_N, BLOCK_W))
+    x37 = tl.broadcast_to(tl.load(xk_row + 3 * n_words + ww, mask=w_mask, other=z)[None, :], (BLOCK_N, BLOCK_W))
+    if PTX:   # runs of words summed in f16x2 within a group: 4 words if the group has a multiple of 4, else 2 or 1
+        RUN: tl.constexpr = 4 if GW % 4 == 0 else (2 if GW % 2 == 0 else 1)
+        d = _dequant_dot_runs(words, x04, x15, x26, x37, RUN)                  # [BN, BW // RUN]
+    else:
+        d = _dequant_dot_portable(words, x04, x15, x26, x37)                   # [BN, BW]
+    return tl.sum(tl.reshape(d, (BLOCK_N, BLOCK_W // GW, d.shape[1] // (BLOCK_W // GW))), 2) * s
 
 
 @triton.jit
@@ -296,57 +375,126 @@ def _prep_f16(src, rows: int, N: int, split_k: int, swiglu: bool):
 
 
 @triton.jit
+def _n_passes(count, PAIRS: tl.constexpr, TAIL: tl.constexpr):
+    # passes over an expert's weights for its `count` pairs: two pairs per pass (PAIRS = 2), the odd one left over
+    # (TAIL), or every pair, one per pass
+    return count // 2 if PAIRS == 2 else (count % 2 if TAIL else count)
+
+
+@triton.jit
+def _pass_pairs(pair_ptr, start, count, i, PAIRS: tl.constexpr, TAIL: tl.constexpr):
+    # the (pair_a, pair_b) of pass i; with one pair per pass, pair_b = pair_a
+    m = start + (2 * i if PAIRS == 2 else (count - 1 if TAIL else i))
+    return tl.load(pair_ptr + m), tl.load(pair_ptr + m + PAIRS - 1)
+
+
+@triton.jit
+def _gate_up_pass(w_gate, s_gate, xk_a, xk_b, I, DW, DG, w_start, w_end, n_mask, GW: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr,
+                  TWO: tl.constexpr):
+    # gate and up rows over words w_start .. w_end for activation row xk_a and, if TWO, xk_b: each weight tile is
+    # read once for both rows. -> (gate a, up a, gate b, up b) summed over the groups, [BN] fp32 each
+    acc_ga = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
+    acc_ua = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
+    acc_gb = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
+    acc_ub = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
+    for w0 in range(w_start, w_end, BLOCK_W):                                 # empty slice: zeros
+        wg, sg = _weight_tile(w_gate, s_gate, DW, w0, n_mask, GW, BLOCK_W, EVEN)
+        wu, su = _weight_tile(w_gate + I * DW, s_gate + I * DG, DW, w0, n_mask, GW, BLOCK_W, EVEN)
+        acc_ga += _tile_dot(wg, sg, xk_a, DW, w0, GW, BLOCK_W, PTX, EVEN)
+        acc_ua += _tile_dot(wu, su, xk_a, DW, w0, GW, BLOCK_W, PTX, EVEN)
+        if TWO:
+            acc_gb += _tile_dot(wg, sg, xk_b, DW, w0, GW, BLOCK_W, PTX, EVEN)
+            acc_ub += _tile_dot(wu, su, xk_b, DW, w0, GW, BLOCK_W, PTX, EVEN)
+    return tl.sum(acc_ga, 1), tl.sum(acc_ua, 1), tl.sum(acc_gb, 1), tl.sum(acc_ub, 1)
+
+
+@triton.jit
+def _store_gate_up(gu_ptr, xs_ptr, acc_g, acc_u, split, P, pair, K, I, offs_n, n_mask):
+    xs = tl.load(xs_ptr + pair // K)                                         # undo the activation scale
+    out = gu_ptr + (split * P + pair) * (2 * I) + offs_n
+    tl.store(out, acc_g * xs, mask=n_mask)
+    tl.store(out + I, acc_u * xs, mask=n_mask)
+
+
+@triton.jit
 def _moe_gate_up_gemv(xk_ptr, xs_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, slots_ptr, I, K, P, DW, DG,
                       GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                      PTX: tl.constexpr):
+                      PTX: tl.constexpr, EVEN: tl.constexpr, PAIRS: tl.constexpr, TAIL: tl.constexpr):
     # Program (slot, pid_n, split): rows pid_n*BLOCK_N.. of gate and of up of the slot-th used expert, over the
-    # split-th slice of the DW words of a row, for each of its pairs -> gu[split, pair] (gate 0..I-1, up I..2I-1).
+    # split-th slice of the DW words of a row, for its pairs -> gu[split, pair] (gate 0..I-1, up I..2I-1).
+    # PAIRS = 2: the pairs two at a time, so an expert that two tokens chose is read once for both (tree siblings
+    # route alike), in tiles of half the width (one tile's registers for two activation rows); then PAIRS = 1 with
+    # TAIL: the odd pair left over (without TAIL: every pair, one at a time). Two launches, not one kernel with both
+    # loops: ptxas gave that one the registers of both (251 against 121; 205 with the half-width tiles), which
+    # halved the programs per SM (18% slower with one pair per expert, H200).
     # DW = D/8 and DG = D/group are arguments (not D // 8 here) so the compiler sees them divisible by 16.
     e, start, count = _load_slot(slots_ptr)
-    if count == 0:
+    n_pass = _n_passes(count, PAIRS, TAIL)
+    if n_pass == 0:
         return
     split = tl.program_id(2)
     GW: tl.constexpr = GROUP // 8
+    TILE_W: tl.constexpr = BLOCK_W // PAIRS if (BLOCK_W // PAIRS) % GW == 0 else BLOCK_W
     w_len = tl.cdiv(tl.cdiv(DW, BLOCK_W), SPLIT_K) * BLOCK_W                 # a whole number of tiles per split
+    w_start = split * w_len
+    w_end = tl.minimum(w_start + w_len, DW)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     w_gate = w_ptr + e * (2 * I) * DW + offs_n[:, None] * DW                 # gate rows 0..I-1, up rows I..2I-1
     s_gate = s_ptr + e * (2 * I) * DG + offs_n[:, None] * DG
-    for m in range(0, count):                                                # usually one pair
-        pair = tl.load(pair_ptr + start + m)                                 # pair = t*K + k
-        tok = pair // K
-        acc_g = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
-        for w0 in range(split * w_len, tl.minimum(split * w_len + w_len, DW), BLOCK_W):   # empty slice: zeros
-            acc_g += _group_dot(w_gate, s_gate, xk_ptr + tok * 4 * DW, DW, w0, n_mask, GW, BLOCK_N, BLOCK_W, PTX)
-            acc_u += _group_dot(w_gate + I * DW, s_gate + I * DG, xk_ptr + tok * 4 * DW, DW, w0, n_mask,
-                                GW, BLOCK_N, BLOCK_W, PTX)
-        xs = tl.load(xs_ptr + tok)                                           # undo the activation scale
-        out = gu_ptr + (split * P + pair) * (2 * I) + offs_n
-        tl.store(out, tl.sum(acc_g, 1) * xs, mask=n_mask)
-        tl.store(out + I, tl.sum(acc_u, 1) * xs, mask=n_mask)
+    for i in range(0, n_pass):                                               # usually one
+        pair_a, pair_b = _pass_pairs(pair_ptr, start, count, i, PAIRS, TAIL)   # pair = t*K + k
+        ga, ua, gb, ub = _gate_up_pass(w_gate, s_gate, xk_ptr + (pair_a // K) * 4 * DW, xk_ptr + (pair_b // K) * 4 * DW,
+                                       I, DW, DG, w_start, w_end, n_mask, GW, BLOCK_N, TILE_W, PTX, EVEN, PAIRS == 2)
+        _store_gate_up(gu_ptr, xs_ptr, ga, ua, split, P, pair_a, K, I, offs_n, n_mask)
+        if PAIRS == 2:
+            _store_gate_up(gu_ptr, xs_ptr, gb, ub, split, P, pair_b, K, I, offs_n, n_mask)
+
+
+@triton.jit
+def _down_pass(w_rows, s_rows, hk_a, hk_b, IW, n_mask, GW: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_W: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr, TWO: tl.constexpr):
+    # down_proj rows for activation row hk_a and, if TWO, hk_b, reading each weight tile once for both
+    acc_a = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
+    for w0 in range(0, IW, BLOCK_W):
+        w, s = _weight_tile(w_rows, s_rows, IW, w0, n_mask, GW, BLOCK_W, EVEN)
+        acc_a += _tile_dot(w, s, hk_a, IW, w0, GW, BLOCK_W, PTX, EVEN)
+        if TWO:
+            acc_b += _tile_dot(w, s, hk_b, IW, w0, GW, BLOCK_W, PTX, EVEN)
+    return tl.sum(acc_a, 1), tl.sum(acc_b, 1)
+
+
+@triton.jit
+def _store_down(y_ptr, hs_ptr, topk_w_ptr, acc, pair, D, offs_n, n_mask):
+    y = acc * (tl.load(hs_ptr + pair) * tl.load(topk_w_ptr + pair))
+    tl.store(y_ptr + pair * D + offs_n, y, mask=n_mask)
 
 
 @triton.jit
 def _moe_down_gemv(hk_ptr, hs_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, slots_ptr, D, IW, IG,
-                   GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PTX: tl.constexpr):
-    # Program (slot, pid_n): output columns pid_n*BLOCK_N.. of down_proj for each pair of the slot-th used expert,
-    # times the pair's routing weight -> y[pair]
+                   GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PTX: tl.constexpr,
+                   EVEN: tl.constexpr, PAIRS: tl.constexpr, TAIL: tl.constexpr):
+    # Program (slot, pid_n): output columns pid_n*BLOCK_N.. of down_proj for the slot-th used expert's pairs, times
+    # each pair's routing weight -> y[pair]. PAIRS and TAIL as in stage 1.
     e, start, count = _load_slot(slots_ptr)
-    if count == 0:
+    n_pass = _n_passes(count, PAIRS, TAIL)
+    if n_pass == 0:
         return
     GW: tl.constexpr = GROUP // 8
+    TILE_W: tl.constexpr = BLOCK_W // PAIRS if (BLOCK_W // PAIRS) % GW == 0 else BLOCK_W
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < D
     w_rows = w_ptr + e * D * IW + offs_n[:, None] * IW
     s_rows = s_ptr + e * D * IG + offs_n[:, None] * IG
-    for m in range(0, count):
-        pair = tl.load(pair_ptr + start + m)
-        acc = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
-        for w0 in range(0, IW, BLOCK_W):
-            acc += _group_dot(w_rows, s_rows, hk_ptr + pair * 4 * IW, IW, w0, n_mask, GW, BLOCK_N, BLOCK_W, PTX)
-        y = tl.sum(acc, 1) * (tl.load(hs_ptr + pair) * tl.load(topk_w_ptr + pair))
-        tl.store(y_ptr + pair * D + offs_n, y, mask=n_mask)
+    for i in range(0, n_pass):
+        pair_a, pair_b = _pass_pairs(pair_ptr, start, count, i, PAIRS, TAIL)
+        acc_a, acc_b = _down_pass(w_rows, s_rows, hk_ptr + pair_a * 4 * IW, hk_ptr + pair_b * 4 * IW, IW, n_mask,
+                                  GW, BLOCK_N, TILE_W, PTX, EVEN, PAIRS == 2)
+        _store_down(y_ptr, hs_ptr, topk_w_ptr, acc_a, pair_a, D, offs_n, n_mask)
+        if PAIRS == 2:
+            _store_down(y_ptr, hs_ptr, topk_w_ptr, acc_b, pair_b, D, offs_n, n_mask)
 
 
 # --- prefill path (and fp32 activations): tl.dot on dequantized tiles ---
@@ -452,6 +600,11 @@ def _split_k(n_units: int, n_programs: int, device) -> int:
     return max(1, min(MOE_MAX_SPLIT_K, n_units, triton.cdiv(2 * _sm_count(device), n_programs)))
 
 
+def _even(n_rows: int, n_words: int, cfg: dict) -> bool:
+    # the GEMV tiles cover the weight exactly (K2.6 at any TP), so its loads need no masks
+    return n_rows % cfg["BLOCK_N"] == 0 and n_words % cfg["BLOCK_W"] == 0
+
+
 def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y):
     T, D = x.shape
     P, K = y.shape[0], y.shape[0] // T
@@ -461,14 +614,21 @@ def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group
     n_blocks = triton.cdiv(I, cfg["BLOCK_N"])
     split_k = _split_k(triton.cdiv(D // 8, cfg["BLOCK_W"]), n_slots * n_blocks, x.device)
     gu = _empty((split_k, P, 2 * I), torch.float32, x.device)
-    _moe_gate_up_gemv[(n_slots, n_blocks, split_k)](
-        xk, xs, w13_packed, w13_scale, gu, pair_ids, slots, I, K, P, D // 8, D // group_size,
-        GROUP=group_size, SPLIT_K=split_k, PTX=MOE_PTX, **cfg)
+    # experts' pairs two at a time, then the odd ones (programs with none exit at once); T = 1 (decode): one token
+    # has no expert twice, so one launch of one pair at a time
+    passes = ((2, False), (1, True)) if T > 1 else ((1, False),)
+    for pairs, tail in passes:
+        _moe_gate_up_gemv[(n_slots, n_blocks, split_k)](
+            xk, xs, w13_packed, w13_scale, gu, pair_ids, slots, I, K, P, D // 8, D // group_size,
+            GROUP=group_size, SPLIT_K=split_k, PTX=MOE_PTX, EVEN=_even(I, D // 8, cfg), PAIRS=pairs, TAIL=tail,
+            **cfg)
     hk, hs = _prep_f16(gu, P, I, split_k, swiglu=True)                      # h = SwiGLU, packed the same way
-    cfg = MOE_GEMV_BLOCKS["down"]
-    _moe_down_gemv[(n_slots, triton.cdiv(D, cfg["BLOCK_N"]))](
-        hk, hs, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I // 8, I // group_size,
-        GROUP=group_size, PTX=MOE_PTX, **cfg)
+    cfg = dict(MOE_GEMV_BLOCKS["down"])
+    cfg["BLOCK_W"] = min(cfg["BLOCK_W"], triton.next_power_of_2(I // 8))   # no wider than a row (TP8: 32 words)
+    for pairs, tail in passes:
+        _moe_down_gemv[(n_slots, triton.cdiv(D, cfg["BLOCK_N"]))](
+            hk, hs, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I // 8, I // group_size,
+            GROUP=group_size, PTX=MOE_PTX, EVEN=_even(D, I // 8, cfg), PAIRS=pairs, TAIL=tail, **cfg)
 
 
 def _moe_dot(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y):
@@ -1541,7 +1701,7 @@ def gpu_selftest(tol=2e-2) -> bool:
         del weights
         torch.cuda.empty_cache()
 
-    print("\nmla_tree_attention: R=512, P=64, B=1, random tree; GB/s = cache bytes read (prefix+T) * 576 * 2 / time")
+    print("\nmla_tree_attention: R=512, P=64, B=1, random tree (packed mask rows, as the model passes them); GB/s = cache bytes read (prefix+T) * 576 * 2 / time")
     print(f"{'H':>3} {'T':>3} {'prefix':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'GB/s':>7} {'% bw':>6}")
     R, P, scale = 512, 64, 0.14468
     for H in (8, 64):  # TP8 heads per rank, all heads
@@ -1553,7 +1713,7 @@ def gpu_selftest(tol=2e-2) -> bool:
                     cache = torch.randn(1, prefix + T + 5, R + P, device=dev, dtype=dtype)
                     prefix_len = torch.tensor([prefix], device=dev)
                     parents = torch.tensor([-1] + [int(torch.randint(0, t, ())) for t in range(1, T)])
-                    tree_mask = ancestor_mask(parents)[None].to(dev)
+                    tree_mask = tree_mask_bits(ancestor_mask(parents)[None].to(dev))   # packed, as the model
                     return (q_lat, q_pe, cache, prefix_len, tree_mask, scale), (prefix + T) * (R + P) * 2, ""
                 ok &= _selftest_row(f"{H:>3} {T:>3} {prefix:>7}", case, mla_tree_attention, mla_tree_attention_ref,
                                     tol, bw)
@@ -1599,7 +1759,8 @@ def sweep():
     for H, T, prefix in ((8, 1, 32768), (8, 9, 32768), (8, 17, 32768), (64, 9, 4096)):
         cache = torch.randn(1, prefix + T, R + P, device=dev, dtype=dtype)
         a = (torch.randn(1, T, H, R, device=dev, dtype=dtype), torch.randn(1, T, H, P, device=dev, dtype=dtype), cache,
-             torch.tensor([prefix], device=dev), torch.ones(1, T, T, dtype=torch.bool, device=dev).tril(), 0.14468)
+             torch.tensor([prefix], device=dev),
+             tree_mask_bits(torch.ones(1, T, T, dtype=torch.bool, device=dev).tril()), 0.14468)
         attn[(H, T, prefix)] = (lambda a: lambda: mla_tree_attention(*a))(a)
     print(f"mla_tree_attention, us at (H, T, prefix) = {list(attn)}; defaults {ATTN_BLOCKS} {ATTN_SPLITS}")
     grid = [dict(BLOCK_Q=q, BLOCK_S=bs, num_warps=nw, num_stages=st)

@@ -259,6 +259,20 @@ def test_fused_moe_kernel(T, E, K, D, I, tiles, dtype, monkeypatch):
     assert_close(out, kernels.fused_moe_w4a16_ref(*args), TOL[dtype], f"moe T={T} {dtype}")
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("ids", [[[3, 3, 5, 3]], [[3, 1, 3, 0], [3, 0, 2, 1]]], ids=["T1", "T2"])
+def test_fused_moe_repeated_expert(ids, dtype, monkeypatch):
+    """One expert taken 3 times by one token, or 2 + 1 times by two: the GEMV reads an expert's pairs two at a
+    time and then the odd one, and at T = 1 one at a time; every pair must be summed exactly once."""
+    monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
+    T, K = len(ids), len(ids[0])
+    args = list(make_moe(T, 6, K, 128, 64, dtype, KERNEL_DEVICE, seed=5))
+    args[1] = torch.tensor(ids, device=KERNEL_DEVICE)
+    out = kernels.fused_moe_w4a16(*args)
+    assert_close(out, kernels.fused_moe_w4a16_ref(*args), TOL[dtype], f"moe repeated expert {ids}")
+
+
 def unpack_f16x2_planes(xk: torch.Tensor) -> torch.Tensor:
     # [rows, 4, N/8] int32, plane p word w = f16x2 (x[8w+p], x[8w+p+4]) -> [rows, N] fp32, independently of kernels.py
     rows, _, nw = xk.shape
@@ -575,7 +589,7 @@ def test_mla_tree_attention_kernel(T, H, prefixes, kind, tiles, dtype, monkeypat
 
 @pytest.mark.skipif(KERNEL_DEVICE is not None or not kernels.HAS_TRITON, reason="kernels run directly here")
 def test_kernels_under_triton_interpreter():
-    names = ["fused_moe_kernel", "mla_tree_attention_kernel", "moe_prep_f16_packing", "rms_norm_kernel",
+    names = ["fused_moe_kernel", "fused_moe_repeated_expert", "mla_tree_attention_kernel", "moe_prep_f16_packing", "rms_norm_kernel",
              "rope_kernel", "add_rms_norm_kernel", "mla_latent_to_cache_kernel", "silu_mul_kernel",
              "moe_topk_kernel", "router_topk_kernel", "rank_topk_kernel", "moe_sort", "ddtree_search_kernel", "ddtree_search_exact_ties",
              "ddtree_search_vs_heap_reference"]
