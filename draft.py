@@ -34,7 +34,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kernels
 import model as M
 from model import CheckpointError, RMSNorm
 
@@ -329,8 +328,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(a.intermediate_size, a.hidden_size, shard_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        silu_mul = kernels.silu_mul if M.fused(x.device) else kernels.silu_mul_ref
-        y = self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        y = self.down_proj(M.silu_mul(self.gate_proj(x), self.up_proj(x)))
         if M.world_size > 1:
             dist.all_reduce(y)                  # down_proj is row-parallel: sum the slices' partial outputs
         return y

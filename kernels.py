@@ -1530,7 +1530,8 @@ def ddtree_search(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budg
 # Ranking the drafter's tokens for the tree search: per depth row, the top K of (logp desc, token id asc) over the
 # vocabulary. A stable sort of the whole vocabulary did it in ~66 us at V = 4352 and 166-249 us at V = 163840 on an
 # H200, most of a step's tree stage. Here every token gets a unique int64 key that orders like that pair (the
-# float's bits made order-preserving in the high word, V-1-token in the low one; rank_topk_ref builds the same key),
+# float's bits made order-preserving by _sortable in the high word, V-1-token in the low one; rank_topk_ref builds
+# the same key),
 # and the top K keys are found in two launches: each program takes the K largest keys of a CHUNK of one row by
 # K rounds of max-and-remove; a second program per row does the same over the chunks' winners. lp is read back
 # from logp at the chosen tokens, so both outputs equal the twin's bit for bit.
@@ -1544,9 +1545,7 @@ _KEY_NONE = tl.constexpr(_KEY_NONE) if HAS_TRITON else _KEY_NONE   # a jit globa
 def _token_keys(logp_row, v, V):
     # int64 keys of tokens v (masked: _KEY_NONE); + 0.0 turns -0.0 into 0.0, which must tie with it
     x = tl.load(logp_row + v, mask=v < V, other=0.0) + 0.0
-    bits = x.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)                     # negative floats: magnitude bits flipped
-    key = (ordered.to(tl.int64) << 32) | (V - 1 - v).to(tl.int64)
+    key = (_sortable(x).to(tl.int64) << 32) | (V - 1 - v).to(tl.int64)
     return tl.where(v < V, key, _KEY_NONE)
 
 

@@ -339,6 +339,11 @@ def fused(device) -> bool:
     return kernels.use_triton(device) and not torch.compiler.is_compiling()
 
 
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(g) * u: one launch on a GPU (kernels.silu_mul), two PyTorch ops elsewhere."""
+    return (kernels.silu_mul if fused(g.device) else kernels.silu_mul_ref)(g, u)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -568,7 +573,6 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, dim)
 
     def forward(self, x):
-        silu_mul = kernels.silu_mul if fused(x.device) else kernels.silu_mul_ref
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
