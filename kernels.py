@@ -693,12 +693,29 @@ def _moe_sort(topk_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tenso
     return pair_ids, slots
 
 
+@triton.jit
+def _moe_sum_kernel(y_ptr, shared_ptr, out_ptr, D, K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+    # program (token t, column block): out[t] = sum over k of y[t, k] (the pairs' weighted outputs), + shared[t]
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(K):
+        acc += tl.load(y_ptr + (t * K + k) * D + cols, mask=mask, other=0.0)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + t * D + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + cols, acc, mask=mask)
+
+
 # torch.compile leaves this call opaque (a graph break): inductor re-generates user Triton kernels from their
 # source, and that failed for _moe_gate_up_gemv on the H200 (2026-11-29). Under CUDA graphs nothing changes.
 @torch.compiler.disable
-def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, out=None):
+def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, out=None,
+                    shared=None):
     """x [T, D], topk_ids / topk_weights [T, K] -> [T, D] fp32 = sum_k weight * SwiGLU expert_k(x), the experts read
-    from the INT4 layout (see experts_ref). GEMV path for T <= MOE_GEMV_MAX_T with 16-bit x, tl.dot path else."""
+    from the INT4 layout (see experts_ref), + shared [T, D] (the shared experts' output, any float dtype) if given:
+    added in the pass that sums the pairs, instead of a cast and an add after it. GEMV path for T <= MOE_GEMV_MAX_T
+    with 16-bit x, tl.dot path else."""
     T, D = x.shape
     K = topk_ids.shape[1]
     E, I2, _ = w13_packed.shape
@@ -722,13 +739,18 @@ def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
     if out is None:
         out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     assert out.shape == (T, D) and out.dtype == torch.float32 and out.is_contiguous(), "out: contiguous float32 [T, D]"
+    assert shared is None or (shared.shape == (T, D) and shared.is_contiguous()), f"shared: contiguous [{T}, {D}]"
 
     P = T * K
     pair_ids, slots = _moe_sort(topk_ids, E)
     y = _empty((P, D), torch.float32, x.device)                              # per pair, weighted by topk_weights
     path = _moe_gemv if T <= MOE_GEMV_MAX_T and x.dtype != torch.float32 else _moe_dot
     path(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y)
-    return torch.sum(y.view(T, K, D), dim=1, out=out)
+    if T:
+        BLOCK = 256                                                          # enough programs for T = 9 x 7168
+        _moe_sum_kernel[(T, triton.cdiv(D, BLOCK))](y, y if shared is None else shared, out, D, K=K,
+                                                    HAS_SHARED=shared is not None, BLOCK=BLOCK)
+    return out
 
 
 def experts_ref(x, topk_ids, topk_weights, expert, experts=None, y=None) -> torch.Tensor:
@@ -767,7 +789,8 @@ def experts_dense_ref(x, topk_ids, topk_weights, experts, w13, w2, y) -> torch.T
 MOE_REF_GROUP_BYTES = 256 * 2**20
 
 
-def fused_moe_w4a16_ref(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, out=None):
+def fused_moe_w4a16_ref(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, out=None,
+                        shared=None):
     used = topk_ids.unique()                                                            # [n] increasing ids
     per_expert = (w13_packed[0].numel() + w2_packed[0].numel()) * 8 * 4                 # fp32 bytes, dequantized
     n = max(1, MOE_REF_GROUP_BYTES // per_expert)
@@ -780,6 +803,8 @@ def fused_moe_w4a16_ref(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_pac
             experts_dense_ref(x, topk_ids, topk_weights, group, w13, w2, y)
         else:
             experts_ref(x, topk_ids, topk_weights, lambda e: (w13[0], w2[0]), group.tolist(), y)
+    if shared is not None:
+        y += shared.float()
     if out is not None:
         return out.copy_(y)
     return y
@@ -802,6 +827,14 @@ def fused_moe_w4a16_ref(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_pac
 # 64-row query blocks (wgmma-sized; 8 warps) were slower at every shape: 47.3 77.3 105.6 69.9 94.1 at best.
 ATTN_BLOCKS = dict(BLOCK_Q=16, BLOCK_S=64, num_warps=4, num_stages=2)
 ATTN_SPLITS = dict(max_splits=256, min_split_len=128, waves=2)
+# From min_rows query rows (T x local heads) on, 64-row blocks (warpgroup MMAs, 8 warps), splits for `waves` waves:
+# fewer re-reads of the cache from L2 when there are many rows to share it.
+# H200 (2026-11-30, fourth session), us at H/T/prefix 8/1/32k, 8/9/32k, 8/17/32k, 64/9/4096, 64/17/4096: narrow
+# 18.9 46.3 73.4 40.9 63.5 from 256 rows with waves 1 (18.7 46.4 73.9 42.9 91.0 without; waves 2: 52.7 76.7 at 64 heads)
+ATTN_WIDE = dict(min_rows=256, BLOCK_Q=64, BLOCK_S=64, num_warps=8, num_stages=2, waves=1)
+# The merge's programs: one query row x BLOCK_R latent columns x every split, BLOCK_R as wide as ~`elements` values
+# per program allow (wider was 42.8 -> 36.3 us at 64 heads, 8 splits; at 256 splits, 512 columns was 19 -> 92 us)
+ATTN_MERGE = dict(elements=16384, num_warps=4)
 
 
 MASK_WORD_BITS = 64     # tree slots per packed mask row (one int64 word): the widest verify the kernel takes
@@ -940,13 +973,15 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
         out = torch.empty(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)
     assert out.shape == q_lat.shape and out.dtype == q_lat.dtype and out.is_contiguous(), "out: like q_lat, contiguous"
 
-    cfg = ATTN_BLOCKS
+    wide = T * H >= ATTN_WIDE["min_rows"]
+    cfg = {k: ATTN_WIDE[k] for k in ATTN_BLOCKS} if wide else ATTN_BLOCKS
+    waves = ATTN_WIDE["waves"] if wide else ATTN_SPLITS["waves"]
     BLOCK_Q, BLOCK_S, MIN_SPLIT = cfg["BLOCK_Q"], cfg["BLOCK_S"], ATTN_SPLITS["min_split_len"]
     assert MIN_SPLIT % BLOCK_S == 0, "min_split_len must be a multiple of BLOCK_S"
     n_qblocks = triton.cdiv(T * H, BLOCK_Q)
     # the grid depends on shapes only (no sync): splits for ~`waves` waves, at most one per MIN_SPLIT keys of the cache
     num_splits = max(1, min(ATTN_SPLITS["max_splits"], triton.cdiv(cache.shape[1], MIN_SPLIT),
-                            triton.cdiv(ATTN_SPLITS["waves"] * _sm_count(q_lat.device), B * n_qblocks)))
+                            triton.cdiv(int(waves * _sm_count(q_lat.device)), B * n_qblocks)))
 
     bits = tree_mask.contiguous() if packed else tree_mask_bits(tree_mask)       # [B, T] int64
     o_part = _empty((B, num_splits, T * H, R), torch.float32, q_lat.device)
@@ -955,10 +990,11 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
         q_lat, q_pe, cache, prefix_len, bits, o_part, lse_part,
         softmax_scale, T, H, num_splits, cache.stride(0), cache.stride(1), *q_lat.stride()[:3],
         R=R, P=P, MIN_SPLIT=MIN_SPLIT, **cfg)
-    BLOCK_R = min(R, 64)
+    SPLITS = triton.next_power_of_2(num_splits)
+    BLOCK_R = min(R, max(16, 1 << (ATTN_MERGE["elements"] // SPLITS).bit_length() - 1))     # a power of two
     _mla_merge_kernel[(B, T * H, R // BLOCK_R)](
-        o_part, lse_part, prefix_len, out, T, H, num_splits,
-        R=R, MIN_SPLIT=MIN_SPLIT, BLOCK_S=BLOCK_S, SPLITS=triton.next_power_of_2(num_splits), BLOCK_R=BLOCK_R)
+        o_part, lse_part, prefix_len, out, T, H, num_splits, R=R, MIN_SPLIT=MIN_SPLIT, BLOCK_S=BLOCK_S,
+        SPLITS=SPLITS, BLOCK_R=BLOCK_R, num_warps=ATTN_MERGE["num_warps"])
     return out
 
 
@@ -1099,10 +1135,10 @@ def add_rms_norm_ref(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, sx_b, sx_t, sx_h, sc_b, sc_t,
                  P: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
-    # program n = one token (b, t): its H heads x P rope columns; y is contiguous [B, T, H, P]
+    # program (n, head block): token n = (b, t), BLOCK_H of its H heads x P rope columns; y is contiguous [B, T, H, P]
     n = tl.program_id(0).to(tl.int64)
     b, t = n // T, n % T
-    h = tl.arange(0, BLOCK_H)[:, None]
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, P)[None, :]
     mask = h < H
     x_row = x_ptr + b * sx_b + t * sx_t + h * sx_h
@@ -1111,6 +1147,10 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, sx_b, sx_t, sx_h, sc_b, s
     c = b * sc_b + t * sc_t + cols
     y = _rotate(x, partner, tl.load(cos_ptr + c), tl.load(sin_ptr + c))
     tl.store(y_ptr + (n * H + h) * P + cols, y, mask=mask)
+
+
+# heads per program: one program per token left a 64-head step with 9 programs (H200, TP1, T = 9: 3.8 -> 1.4 us)
+ROPE_BLOCK_H = 8
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
@@ -1128,8 +1168,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
         H = x4.shape[2]
-        _rope_kernel[(B * T,)](x4, cos, sin, y, T, H, *x4.stride()[:3], *cos.stride()[:2], P=P,
-                               BLOCK_H=triton.next_power_of_2(H), INTERLEAVED=interleaved)
+        BLOCK_H = min(ROPE_BLOCK_H, triton.next_power_of_2(H))
+        _rope_kernel[(B * T, triton.cdiv(H, BLOCK_H))](x4, cos, sin, y, T, H, *x4.stride()[:3], *cos.stride()[:2], P=P,
+                                                      BLOCK_H=BLOCK_H, INTERLEAVED=interleaved)
     return y
 
 
@@ -1146,12 +1187,12 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved:
 
 
 @triton.jit
-def _mla_latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, slots_ptr, cache_ptr, T, stride_cb, stride_cs,
+def _mla_latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, slots_ptr, cache_ptr, T, stride_kv, stride_cb, stride_cs,
                        R: tl.constexpr, P: tl.constexpr, EPS: tl.constexpr):
     # program n = token (b, t): cache[b, slots[n]] = (kv_a_layernorm(kv[n, :R]), rope(kv[n, R:]))
     n = tl.program_id(0).to(tl.int64)
     dst = cache_ptr + (n // T) * stride_cb + tl.load(slots_ptr + n) * stride_cs
-    src = kv_ptr + n * (R + P)
+    src = kv_ptr + n * stride_kv
     r = tl.arange(0, R)
     c_kv = _normalize(tl.load(src + r), R, EPS)
     tl.store(dst + r, _scale(tl.load(w_ptr + r), c_kv, dst.dtype.element_ty))
@@ -1163,9 +1204,9 @@ def _mla_latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, slots_ptr, cache_ptr, T,
 
 def mla_latent_to_cache(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                         cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """The new tokens' compressed-cache rows, written in place: kv [B, T, R+P] (kv_a_proj_with_mqa's output) ->
-    cache[b, slots[b, t]] = (RMSNorm(kv[..., :R]) * weight, rope(kv[..., R:])), one launch instead of the norm,
-    rope, cat and scatter (~8). cache [Bmax, S, R+P], slots [B, T] int64, cos / sin [B, T, P]."""
+    """The new tokens' compressed-cache rows, written in place: kv [B, T, R+P] (kv_a_proj_with_mqa's output, rows
+    may be strided) -> cache[b, slots[b, t]] = (RMSNorm(kv[..., :R]) * weight, rope(kv[..., R:])), one launch
+    instead of the norm, rope, cat and scatter (~8). cache [Bmax, S, R+P], slots [B, T] int64, cos / sin [B, T, P]."""
     assert HAS_TRITON, "triton is not installed; call mla_latent_to_cache_ref"
     B, T, C = kv.shape
     R = weight.shape[0]
@@ -1178,9 +1219,10 @@ def mla_latent_to_cache(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos:
         f"kv, weight, cache, cos: one dtype, got {kv.dtype} {weight.dtype} {cache.dtype} {cos.dtype}"
     for n in (R, P):
         assert n >= 2 and n & (n - 1) == 0, f"R={R} and P={P} must be powers of two"
-    assert kv.is_contiguous() and weight.is_contiguous(), "kv, weight: contiguous"
+    rows = kv.reshape(B * T, C)        # a view for kv contiguous or a last-dim slice of one (model.linear_rows)
+    assert rows.stride(-1) == 1 and weight.is_contiguous(), "kv: contiguous last dim; weight: contiguous"
     if B * T:
-        _mla_latent_kernel[(B * T,)](kv, weight, cos, sin, slots, cache, T, cache.stride(0), cache.stride(1),
+        _mla_latent_kernel[(B * T,)](rows, weight, cos, sin, slots, cache, T, rows.stride(0), cache.stride(0), cache.stride(1),
                                      R=R, P=P, EPS=float(eps), num_warps=_row_warps(R))
 
 
@@ -1192,25 +1234,30 @@ def mla_latent_to_cache_ref(kv, weight, eps: float, cos, sin, cache, slots) -> N
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr):
+    # program (row, column block); g and u may be row-strided views, e.g. the two halves of one gate/up GEMM's output
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0)
     gf = g.to(tl.float32)
     a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)                                       # F.silu, rounded
-    tl.store(y_ptr + offs, (a.to(tl.float32) * tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(g.dtype),
-             mask=mask)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0)
+    tl.store(y_ptr + row * N + cols, (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's silu(g) * u in one launch (g, u: one shape and dtype)."""
+    """SwiGLU's silu(g) * u in one launch (g, u: one shape and dtype, last dim contiguous; rows may be strided, as
+    the halves of model.linear_rows' gate/up output are) -> contiguous."""
     assert HAS_TRITON, "triton is not installed; call silu_mul_ref"
     assert g.shape == u.shape and g.dtype == u.dtype, f"g {g.dtype} {tuple(g.shape)} vs u {u.dtype} {tuple(u.shape)}"
-    g, u = g.contiguous(), u.contiguous()
-    y = torch.empty_like(g)
+    N = g.shape[-1]
+    g2, u2 = g.reshape(-1, N), u.reshape(-1, N)               # views when only the rows are strided
+    assert g2.stride(-1) == 1 and u2.stride(-1) == 1, "g, u: the last dim must be contiguous"
+    y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     if g.numel():
-        BLOCK = 1024
-        _silu_mul_kernel[(triton.cdiv(g.numel(), BLOCK),)](g, u, y, g.numel(), BLOCK=BLOCK)
+        BLOCK = min(1024, triton.next_power_of_2(N))
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(N, BLOCK))](g2, u2, y, N, g2.stride(0), u2.stride(0), BLOCK=BLOCK)
     return y
 
 
@@ -1282,13 +1329,18 @@ def _moe_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, N, E, SPLITS, K: tl.c
     tl.store(ids_ptr + n * K + k, ids.to(tl.int64), mask=k < K)
 
 
+# warps per token's routing program: its K rounds of argmax are reductions over the E experts, through shared
+# memory between warps; one warp reduces with shuffles alone (H200, 9 tokens, 384 experts: 4.2 -> 3.3 us)
+TOPK_WARPS = 1
+
+
 def _topk_launch(partial_logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float):
     S, N, E = partial_logits.shape
     w = torch.empty(N, top_k, dtype=torch.float32, device=partial_logits.device)
     ids = torch.empty(N, top_k, dtype=torch.int64, device=partial_logits.device)
     if N:
         _moe_topk_kernel[(N,)](partial_logits, bias, w, ids, N, E, S, K=top_k, K_POW2=triton.next_power_of_2(top_k),
-                               NORM=norm, SCALE=float(scale), E_POW2=triton.next_power_of_2(E))
+                               NORM=norm, SCALE=float(scale), E_POW2=triton.next_power_of_2(E), num_warps=TOPK_WARPS)
     return w, ids
 
 

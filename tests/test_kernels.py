@@ -256,7 +256,14 @@ def test_fused_moe_kernel(T, E, K, D, I, tiles, dtype, monkeypatch):
     out = torch.full((T, D), float("nan"), device=KERNEL_DEVICE)
     res = kernels.fused_moe_w4a16(*args, out=out)
     assert res is out
-    assert_close(out, kernels.fused_moe_w4a16_ref(*args), TOL[dtype], f"moe T={T} {dtype}")
+    ref = kernels.fused_moe_w4a16_ref(*args)
+    assert_close(out, ref, TOL[dtype], f"moe T={T} {dtype}")
+    # the shared experts' output (the model's dtype) added in the pass that sums the pairs
+    shared = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(dtype).to(KERNEL_DEVICE)
+    with_shared = kernels.fused_moe_w4a16(*args, shared=shared)
+    ref_shared = kernels.fused_moe_w4a16_ref(*args, shared=shared)
+    assert torch.equal(ref_shared, ref + shared.float())
+    assert_close(with_shared, ref_shared, TOL[dtype], f"moe + shared T={T} {dtype}")
 
 
 @needs_kernels
@@ -323,13 +330,15 @@ def test_rms_norm_kernel(shape, N, w_fp32, dtype):
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("layout", ["q_pe slice", "3d", "cos slice"])
-def test_rope_kernel(layout, interleaved, dtype):
+def test_rope_kernel(layout, interleaved, dtype, monkeypatch):
     """One-launch rope == the four-op form to one rounding (the kernel rounds where the PyTorch ops round; on the
     H200 the compiled kernel still differed in the last bit of some elements). Inputs:
     the q_pe slice of q (strided heads), a [B, T, P] tensor, and cos / sin sliced out of a longer [B, T', P] (the
     drafter splits one cos table into context and block rows)."""
     g = torch.Generator().manual_seed(len(layout) + interleaved)
     B, T, H, P = 2, 5, 3, 16
+    if layout == "q_pe slice":
+        monkeypatch.setattr(kernels, "ROPE_BLOCK_H", 2)        # heads over two programs, the second one partial
     rnd = lambda *shape: (torch.randn(*shape, generator=g) * 4).to(dtype).to(KERNEL_DEVICE)
     cos, sin = rnd(B, T + 3, P), rnd(B, T + 3, P)
     cos, sin = (cos[:, 3:], sin[:, 3:]) if layout == "cos slice" else (cos[:, :T].contiguous(), sin[:, :T].contiguous())
@@ -365,7 +374,9 @@ def test_mla_latent_to_cache_kernel(B, T, dtype):
     g = torch.Generator().manual_seed(B * 100 + T)
     R, P, S = 32, 16, 40
     rnd = lambda *shape: (torch.randn(*shape, generator=g) * 2).to(dtype).to(KERNEL_DEVICE)
-    kv, cos, sin, w = rnd(B, T, R + P), rnd(B, T, P), rnd(B, T, P), rnd(R)
+    # kv as model.linear_rows returns it: the last columns of the q_a | kv_a GEMM's rows (row-strided)
+    kv, cos, sin, w = rnd(B, T, 24 + R + P)[..., 24:], rnd(B, T, P), rnd(B, T, P), rnd(R)
+    assert B * T == 1 or not kv.is_contiguous()          # (one row counts as contiguous)
     slots = (torch.tensor([3, 20][:B])[:, None] + torch.arange(T)).to(KERNEL_DEVICE)       # [B, T]
     cache = rnd(B + 1, S, R + P)                                                              # a spare batch row too
     ref = cache.clone()
@@ -383,6 +394,13 @@ def test_silu_mul_kernel(dtype):
     g = torch.Generator().manual_seed(0)
     a, b = [(torch.randn(3, 1500, generator=g) * 4).to(dtype).to(KERNEL_DEVICE) for _ in range(2)]
     assert_close(kernels.silu_mul(a, b), kernels.silu_mul_ref(a, b), TOL[dtype], f"silu_mul {dtype}")
+    # the two halves of one gate/up GEMM's output (model.linear_rows): row-strided views, not copies
+    gu = (torch.randn(2, 5, 2 * 96, generator=g) * 4).to(dtype).to(KERNEL_DEVICE)
+    gate, up = gu.split(96, dim=-1)
+    y = kernels.silu_mul(gate, up)
+    assert not gate.is_contiguous() and y.shape == (2, 5, 96) and y.is_contiguous()
+    assert torch.equal(y, kernels.silu_mul(gate.contiguous(), up.contiguous()))
+    assert_close(y, kernels.silu_mul_ref(gate, up), TOL[dtype], f"silu_mul strided {dtype}")
 
 
 @needs_kernels
@@ -559,6 +577,8 @@ ATTN_CASES = [  # T, H, prefixes (B = len), mask kind, tiles: "default" or "smal
     (9, 4, [1000, 257], "chain", "default"),
     (17, 2, [0, 40], "holes", "small"),      # rows with nothing visible -> zeros, like the ref
     (64, 1, [5, 70], "bushy", "small"),      # tree slot 63 is the sign bit of the mask word
+    (17, 4, [1000, 3], "bushy", "wide"),     # 64-row query blocks (ATTN_WIDE): 68 rows, the second block partial
+    (9, 2, [0, 200], "holes", "wide"),
 ]
 
 
@@ -569,6 +589,10 @@ def test_mla_tree_attention_kernel(T, H, prefixes, kind, tiles, dtype, monkeypat
     monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
     if tiles == "small":
         monkeypatch.setattr(kernels, "ATTN_BLOCKS", dict(BLOCK_Q=16, BLOCK_S=16, num_warps=4, num_stages=2))
+        monkeypatch.setattr(kernels, "ATTN_SPLITS", dict(kernels.ATTN_SPLITS, max_splits=8, min_split_len=32))
+        monkeypatch.setattr(kernels, "ATTN_MERGE", dict(elements=128, num_warps=1))   # 16 columns: two blocks
+    if tiles == "wide":
+        monkeypatch.setattr(kernels, "ATTN_WIDE", dict(kernels.ATTN_WIDE, min_rows=0, BLOCK_S=16, waves=0.5))
         monkeypatch.setattr(kernels, "ATTN_SPLITS", dict(kernels.ATTN_SPLITS, max_splits=8, min_split_len=32))
     R, P = 32, 16
     args = make_attn(len(prefixes), T, H, R, P, prefixes, kind, dtype, KERNEL_DEVICE, seed=T + H)

@@ -250,3 +250,28 @@ def test_debug_reports_first_nonfinite_layer():
         model.layers[1].self_attn.o_proj.weight[0, 0] = float("nan")
         with pytest.raises(FloatingPointError, match="layer 1 output"):
             model(torch.randint(0, 96, (1, 5)), debug=True)
+
+
+def test_share_rows_one_gemm_same_outputs():
+    """q_a | kv_a and gate | up run as one GEMM over one weight tensor: the Linears' weights are views of it (names
+    and in-place loading unchanged), the outputs match each Linear's own, training still reaches the parameters,
+    and a parameter replaced behind its back is an error, not stale weights."""
+    lin_a, lin_b = M.Linear(8, 5), M.Linear(8, 3, shard_dim=0)
+    with torch.no_grad():
+        lin_a.weight.normal_(), lin_b.weight.normal_()
+    wa = lin_a.weight.detach().clone()
+    w = M.share_rows(lin_a, lin_b)
+    assert w.shape == (8, 8) and torch.equal(w[:5], wa) and lin_b.weight.shard_dim == 0
+    with torch.no_grad():
+        lin_b.weight.copy_(torch.randn(3, 8))            # as load_checkpoint writes: in place, so w sees it
+    assert torch.equal(w[5:], lin_b.weight)
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        a, b = M.linear_rows(x, w, lin_a, lin_b)
+        assert torch.allclose(a, lin_a(x), atol=1e-6) and torch.allclose(b, lin_b(x), atol=1e-6)
+    a, b = M.linear_rows(x, w, lin_a, lin_b)            # autograd on: through each Linear
+    (a.sum() + b.sum()).backward()
+    assert lin_a.weight.grad is not None and lin_b.weight.grad is not None
+    lin_b.weight = torch.nn.Parameter(torch.randn(3, 8))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="share_rows"):
+        M.linear_rows(x, w, lin_a, lin_b)
