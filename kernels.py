@@ -4,7 +4,7 @@ the DDTree search, plus the INT4 format helpers.
 
     fused_moe_w4a16     routed experts straight from the INT4 pack-quantized checkpoint layout: a bandwidth-bound
                         GEMV for decode / verify (~17 instructions per int32 word of 8 weights; an expert that
-                        two tokens chose is read once for both), tl.dot tiles for prefill
+                        several tokens chose comes from HBM once), tl.dot tiles for prefill
     mla_tree_attention  absorbed-MLA attention over the compressed cache, with a tree mask for the new tokens
     rms_norm            RMSNorm in one launch instead of eight; with it the rest of a layer's decode glue (rope, the
                         cache write, add + norm, SwiGLU, routing top-k, the MoE pair sort), one launch each
@@ -93,8 +93,7 @@ def dequant_int4_ref(packed: torch.Tensor, scale: torch.Tensor, group_size: int 
 # Fused MoE, INT4 weights x 16-bit activations (W4A16).
 # Both paths group the T*K (token, k) pairs by expert on the GPU with fixed-shape ops (_moe_sort: one program at
 # decode / verify sizes, sort + searchsorted + _moe_slots_kernel for prefill; no host sync, CUDA-graph capturable);
-# program `slot` of every grid serves the slot-th *used* expert and streams that expert's weights once for all its
-# pairs.
+# program `slot` of every grid serves the slot-th *used* expert, for all its pairs.
 #
 # Decode / verify (T <= MOE_GEMV_MAX_T, 16-bit activations): a GEMV, bandwidth-bound, ~1 pair per expert.
 #   The whole cost is streaming INT4 words from HBM and turning them into products fast enough to keep up. These
@@ -107,8 +106,10 @@ def dequant_int4_ref(packed: torch.Tensor, scale: torch.Tensor, group_size: int 
 #     four f16x2 fmas form the 8 products. No int->float conversion instruction (quarter rate) is left;
 #   - the products of a run of 4 words (one scale group) summed in f16x2 and converted to fp32 once, and no load
 #     masks when the tiles cover the weight (EVEN): ~21 -> ~17 SASS instructions per word;
-#   - an expert's pairs two at a time (PAIRS = 2), so an expert that two tokens chose is streamed once for both:
-#     a tree's tokens share many experts (siblings route alike; 117 experts for 136 pairs at 17 random tokens).
+#   - a program takes its expert's pairs one after another over the same weight slice: HBM once, L2 for the
+#     repeats (a tree's tokens share experts: siblings route alike; 117 experts for 136 pairs at 17 random tokens),
+#     and stage 1 split at least MOE_GEMV_MIN_SPLIT_K ways over D: more, shorter programs. This beat streaming two
+#     pairs at once in half-width tiles at every shape measured, shared routing included (docs/BENCHMARKS.md).
 #   The activations are packed for that dot by _moe_prep_f16: plane p holds f16x2 (x[8w+p], x[8w+p+4]) - the nibble
 #   order the lop3 masks produce - scaled by a power of two per row so that max |x| is in [1, 2): fp16 cannot
 #   overflow (an activation of 1e5 is fine) and the scale is undone exactly on the fp32 output. fp16 keeps 11 bits,
@@ -128,6 +129,7 @@ MOE_GEMV_BLOCKS = dict(gate_up=dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_st
 MOE_BLOCKS = dict(gate_up=dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
                   down=dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2))
 MOE_MAX_SPLIT_K = 8
+MOE_GEMV_MIN_SPLIT_K = 2     # H200, I = 2048 / 256, T = 9: 481.0 -> 478.1 / 96.2 -> 89.3 us against 1 (sweep there)
 # Token rows per tile of the tl.dot path: the smallest tl.dot tile. An expert with more pairs loops over them.
 MOE_BLOCK_M = 16
 # PTX only on NVIDIA hardware: not under the interpreter, not on ROCm
@@ -375,67 +377,34 @@ def _prep_f16(src, rows: int, N: int, split_k: int, swiglu: bool):
 
 
 @triton.jit
-def _n_passes(count, PAIRS: tl.constexpr, TAIL: tl.constexpr):
-    # passes over an expert's weights for its `count` pairs: two pairs per pass (PAIRS = 2), the odd one left over
-    # (TAIL), or every pair, one per pass
-    return count // 2 if PAIRS == 2 else (count % 2 if TAIL else count)
-
-
-@triton.jit
-def _pass_pairs(pair_ptr, start, count, i, PAIRS: tl.constexpr, TAIL: tl.constexpr):
-    # the (pair_a, pair_b) of pass i; with one pair per pass, pair_b = pair_a
-    m = start + (2 * i if PAIRS == 2 else (count - 1 if TAIL else i))
-    return tl.load(pair_ptr + m), tl.load(pair_ptr + m + PAIRS - 1)
-
-
-@triton.jit
-def _gate_up_pass(w_gate, s_gate, xk_a, xk_b, I, DW, DG, w_start, w_end, n_mask, GW: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr,
-                  TWO: tl.constexpr):
-    # gate and up rows over words w_start .. w_end for activation row xk_a and, if TWO, xk_b: each weight tile is
-    # read once for both rows. -> (gate a, up a, gate b, up b) summed over the groups, [BN] fp32 each
-    acc_ga = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
-    acc_ua = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
-    acc_gb = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
-    acc_ub = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
+def _gate_up_pass(w_gate, s_gate, xk_row, I, DW, DG, w_start, w_end, n_mask, GW: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr):
+    # gate and up rows over words w_start .. w_end for one activation row -> (gate, up) summed over the groups, [BN]
+    acc_g = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
     for w0 in range(w_start, w_end, BLOCK_W):                                 # empty slice: zeros
         wg, sg = _weight_tile(w_gate, s_gate, DW, w0, n_mask, GW, BLOCK_W, EVEN)
         wu, su = _weight_tile(w_gate + I * DW, s_gate + I * DG, DW, w0, n_mask, GW, BLOCK_W, EVEN)
-        acc_ga += _tile_dot(wg, sg, xk_a, DW, w0, GW, BLOCK_W, PTX, EVEN)
-        acc_ua += _tile_dot(wu, su, xk_a, DW, w0, GW, BLOCK_W, PTX, EVEN)
-        if TWO:
-            acc_gb += _tile_dot(wg, sg, xk_b, DW, w0, GW, BLOCK_W, PTX, EVEN)
-            acc_ub += _tile_dot(wu, su, xk_b, DW, w0, GW, BLOCK_W, PTX, EVEN)
-    return tl.sum(acc_ga, 1), tl.sum(acc_ua, 1), tl.sum(acc_gb, 1), tl.sum(acc_ub, 1)
-
-
-@triton.jit
-def _store_gate_up(gu_ptr, xs_ptr, acc_g, acc_u, split, P, pair, K, I, offs_n, n_mask):
-    xs = tl.load(xs_ptr + pair // K)                                         # undo the activation scale
-    out = gu_ptr + (split * P + pair) * (2 * I) + offs_n
-    tl.store(out, acc_g * xs, mask=n_mask)
-    tl.store(out + I, acc_u * xs, mask=n_mask)
+        acc_g += _tile_dot(wg, sg, xk_row, DW, w0, GW, BLOCK_W, PTX, EVEN)
+        acc_u += _tile_dot(wu, su, xk_row, DW, w0, GW, BLOCK_W, PTX, EVEN)
+    return tl.sum(acc_g, 1), tl.sum(acc_u, 1)
 
 
 @triton.jit
 def _moe_gate_up_gemv(xk_ptr, xs_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, slots_ptr, I, K, P, DW, DG,
                       GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                      PTX: tl.constexpr, EVEN: tl.constexpr, PAIRS: tl.constexpr, TAIL: tl.constexpr):
+                      PTX: tl.constexpr, EVEN: tl.constexpr):
     # Program (slot, pid_n, split): rows pid_n*BLOCK_N.. of gate and of up of the slot-th used expert, over the
-    # split-th slice of the DW words of a row, for its pairs -> gu[split, pair] (gate 0..I-1, up I..2I-1).
-    # PAIRS = 2: the pairs two at a time, so an expert that two tokens chose is read once for both (tree siblings
-    # route alike), in tiles of half the width (one tile's registers for two activation rows); then PAIRS = 1 with
-    # TAIL: the odd pair left over (without TAIL: every pair, one at a time). Two launches, not one kernel with both
-    # loops: ptxas gave that one the registers of both (251 against 121; 205 with the half-width tiles), which
-    # halved the programs per SM (18% slower with one pair per expert, H200).
+    # split-th slice of the DW words of a row, for each of its pairs in turn -> gu[split, pair] (gate 0..I-1, up
+    # I..2I-1). An expert that several tokens chose comes from HBM once: the program streams the same slice again
+    # right after, from L2. (Reading it once for two pairs at a time, in half-width tiles, was slower at every
+    # shape measured, shared routing included: H200, 2026-11-30.)
     # DW = D/8 and DG = D/group are arguments (not D // 8 here) so the compiler sees them divisible by 16.
     e, start, count = _load_slot(slots_ptr)
-    n_pass = _n_passes(count, PAIRS, TAIL)
-    if n_pass == 0:
+    if count == 0:
         return
     split = tl.program_id(2)
     GW: tl.constexpr = GROUP // 8
-    TILE_W: tl.constexpr = BLOCK_W // PAIRS if (BLOCK_W // PAIRS) % GW == 0 else BLOCK_W
     w_len = tl.cdiv(tl.cdiv(DW, BLOCK_W), SPLIT_K) * BLOCK_W                 # a whole number of tiles per split
     w_start = split * w_len
     w_end = tl.minimum(w_start + w_len, DW)
@@ -443,58 +412,39 @@ def _moe_gate_up_gemv(xk_ptr, xs_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, slots_ptr,
     n_mask = offs_n < I
     w_gate = w_ptr + e * (2 * I) * DW + offs_n[:, None] * DW                 # gate rows 0..I-1, up rows I..2I-1
     s_gate = s_ptr + e * (2 * I) * DG + offs_n[:, None] * DG
-    for i in range(0, n_pass):                                               # usually one
-        pair_a, pair_b = _pass_pairs(pair_ptr, start, count, i, PAIRS, TAIL)   # pair = t*K + k
-        ga, ua, gb, ub = _gate_up_pass(w_gate, s_gate, xk_ptr + (pair_a // K) * 4 * DW, xk_ptr + (pair_b // K) * 4 * DW,
-                                       I, DW, DG, w_start, w_end, n_mask, GW, BLOCK_N, TILE_W, PTX, EVEN, PAIRS == 2)
-        _store_gate_up(gu_ptr, xs_ptr, ga, ua, split, P, pair_a, K, I, offs_n, n_mask)
-        if PAIRS == 2:
-            _store_gate_up(gu_ptr, xs_ptr, gb, ub, split, P, pair_b, K, I, offs_n, n_mask)
-
-
-@triton.jit
-def _down_pass(w_rows, s_rows, hk_a, hk_b, IW, n_mask, GW: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_W: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr, TWO: tl.constexpr):
-    # down_proj rows for activation row hk_a and, if TWO, hk_b, reading each weight tile once for both
-    acc_a = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
-    for w0 in range(0, IW, BLOCK_W):
-        w, s = _weight_tile(w_rows, s_rows, IW, w0, n_mask, GW, BLOCK_W, EVEN)
-        acc_a += _tile_dot(w, s, hk_a, IW, w0, GW, BLOCK_W, PTX, EVEN)
-        if TWO:
-            acc_b += _tile_dot(w, s, hk_b, IW, w0, GW, BLOCK_W, PTX, EVEN)
-    return tl.sum(acc_a, 1), tl.sum(acc_b, 1)
-
-
-@triton.jit
-def _store_down(y_ptr, hs_ptr, topk_w_ptr, acc, pair, D, offs_n, n_mask):
-    y = acc * (tl.load(hs_ptr + pair) * tl.load(topk_w_ptr + pair))
-    tl.store(y_ptr + pair * D + offs_n, y, mask=n_mask)
+    for i in range(0, count):                                                # usually one
+        pair = tl.load(pair_ptr + start + i)                                 # pair = t*K + k
+        g, u = _gate_up_pass(w_gate, s_gate, xk_ptr + (pair // K) * 4 * DW, I, DW, DG, w_start, w_end, n_mask, GW,
+                             BLOCK_N, BLOCK_W, PTX, EVEN)
+        xs = tl.load(xs_ptr + pair // K)                                     # undo the activation scale
+        out = gu_ptr + (split * P + pair) * (2 * I) + offs_n
+        tl.store(out, g * xs, mask=n_mask)
+        tl.store(out + I, u * xs, mask=n_mask)
 
 
 @triton.jit
 def _moe_down_gemv(hk_ptr, hs_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, slots_ptr, D, IW, IG,
                    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PTX: tl.constexpr,
-                   EVEN: tl.constexpr, PAIRS: tl.constexpr, TAIL: tl.constexpr):
+                   EVEN: tl.constexpr):
     # Program (slot, pid_n): output columns pid_n*BLOCK_N.. of down_proj for the slot-th used expert's pairs, times
-    # each pair's routing weight -> y[pair]. PAIRS and TAIL as in stage 1.
+    # each pair's routing weight -> y[pair]
     e, start, count = _load_slot(slots_ptr)
-    n_pass = _n_passes(count, PAIRS, TAIL)
-    if n_pass == 0:
+    if count == 0:
         return
     GW: tl.constexpr = GROUP // 8
-    TILE_W: tl.constexpr = BLOCK_W // PAIRS if (BLOCK_W // PAIRS) % GW == 0 else BLOCK_W
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < D
     w_rows = w_ptr + e * D * IW + offs_n[:, None] * IW
     s_rows = s_ptr + e * D * IG + offs_n[:, None] * IG
-    for i in range(0, n_pass):
-        pair_a, pair_b = _pass_pairs(pair_ptr, start, count, i, PAIRS, TAIL)
-        acc_a, acc_b = _down_pass(w_rows, s_rows, hk_ptr + pair_a * 4 * IW, hk_ptr + pair_b * 4 * IW, IW, n_mask,
-                                  GW, BLOCK_N, TILE_W, PTX, EVEN, PAIRS == 2)
-        _store_down(y_ptr, hs_ptr, topk_w_ptr, acc_a, pair_a, D, offs_n, n_mask)
-        if PAIRS == 2:
-            _store_down(y_ptr, hs_ptr, topk_w_ptr, acc_b, pair_b, D, offs_n, n_mask)
+    for i in range(0, count):
+        pair = tl.load(pair_ptr + start + i)
+        hk_row = hk_ptr + pair * 4 * IW
+        acc = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
+        for w0 in range(0, IW, BLOCK_W):
+            w, sc = _weight_tile(w_rows, s_rows, IW, w0, n_mask, GW, BLOCK_W, EVEN)
+            acc += _tile_dot(w, sc, hk_row, IW, w0, GW, BLOCK_W, PTX, EVEN)
+        y = tl.sum(acc, 1) * (tl.load(hs_ptr + pair) * tl.load(topk_w_ptr + pair))
+        tl.store(y_ptr + pair * D + offs_n, y, mask=n_mask)
 
 
 # --- prefill path (and fp32 activations): tl.dot on dequantized tiles ---
@@ -612,23 +562,18 @@ def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group
     xk, xs = _prep_f16(x, T, D, 1, swiglu=False)                            # packed f16x2 planes, their scales
     cfg = MOE_GEMV_BLOCKS["gate_up"]
     n_blocks = triton.cdiv(I, cfg["BLOCK_N"])
-    split_k = _split_k(triton.cdiv(D // 8, cfg["BLOCK_W"]), n_slots * n_blocks, x.device)
+    n_tiles = triton.cdiv(D // 8, cfg["BLOCK_W"])
+    split_k = max(min(MOE_GEMV_MIN_SPLIT_K, n_tiles), _split_k(n_tiles, n_slots * n_blocks, x.device))
     gu = _empty((split_k, P, 2 * I), torch.float32, x.device)
-    # experts' pairs two at a time, then the odd ones (programs with none exit at once); T = 1 (decode): one token
-    # has no expert twice, so one launch of one pair at a time
-    passes = ((2, False), (1, True)) if T > 1 else ((1, False),)
-    for pairs, tail in passes:
-        _moe_gate_up_gemv[(n_slots, n_blocks, split_k)](
-            xk, xs, w13_packed, w13_scale, gu, pair_ids, slots, I, K, P, D // 8, D // group_size,
-            GROUP=group_size, SPLIT_K=split_k, PTX=MOE_PTX, EVEN=_even(I, D // 8, cfg), PAIRS=pairs, TAIL=tail,
-            **cfg)
+    _moe_gate_up_gemv[(n_slots, n_blocks, split_k)](
+        xk, xs, w13_packed, w13_scale, gu, pair_ids, slots, I, K, P, D // 8, D // group_size,
+        GROUP=group_size, SPLIT_K=split_k, PTX=MOE_PTX, EVEN=_even(I, D // 8, cfg), **cfg)
     hk, hs = _prep_f16(gu, P, I, split_k, swiglu=True)                      # h = SwiGLU, packed the same way
     cfg = dict(MOE_GEMV_BLOCKS["down"])
     cfg["BLOCK_W"] = min(cfg["BLOCK_W"], triton.next_power_of_2(I // 8))   # no wider than a row (TP8: 32 words)
-    for pairs, tail in passes:
-        _moe_down_gemv[(n_slots, triton.cdiv(D, cfg["BLOCK_N"]))](
-            hk, hs, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I // 8, I // group_size,
-            GROUP=group_size, PTX=MOE_PTX, EVEN=_even(D, I // 8, cfg), PAIRS=pairs, TAIL=tail, **cfg)
+    _moe_down_gemv[(n_slots, triton.cdiv(D, cfg["BLOCK_N"]))](
+        hk, hs, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I // 8, I // group_size,
+        GROUP=group_size, PTX=MOE_PTX, EVEN=_even(D, I // 8, cfg), **cfg)
 
 
 def _moe_dot(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y):
@@ -830,8 +775,9 @@ ATTN_SPLITS = dict(max_splits=256, min_split_len=128, waves=2)
 # From min_rows query rows (T x local heads) on, 64-row blocks (warpgroup MMAs, 8 warps), splits for `waves` waves:
 # fewer re-reads of the cache from L2 when there are many rows to share it.
 # H200 (2026-11-30, fourth session), us at H/T/prefix 8/1/32k, 8/9/32k, 8/17/32k, 64/9/4096, 64/17/4096: narrow
-# 18.9 46.3 73.4 40.9 63.5 from 256 rows with waves 1 (18.7 46.4 73.9 42.9 91.0 without; waves 2: 52.7 76.7 at 64 heads)
-ATTN_WIDE = dict(min_rows=256, BLOCK_Q=64, BLOCK_S=64, num_warps=8, num_stages=2, waves=1)
+# 18.9 46.3 73.4 40.9 63.5 from 256 rows with waves 1 (18.7 46.4 73.9 42.9 91.0 without; waves 2: 52.7 76.7 at 64 heads).
+# From 256 rows, 8/33/32k went 128 -> 190 us (264 rows) while 8/64/32k went 340 -> 174 and 64/9/32k 357 -> 214.
+ATTN_WIDE = dict(min_rows=512, BLOCK_Q=64, BLOCK_S=64, num_warps=8, num_stages=2, waves=1)
 # The merge's programs: one query row x BLOCK_R latent columns x every split, BLOCK_R as wide as ~`elements` values
 # per program allow (wider was 42.8 -> 36.3 us at 64 heads, 8 splits; at 256 splits, 512 columns was 19 -> 92 us)
 ATTN_MERGE = dict(elements=16384, num_warps=4)
@@ -1329,18 +1275,13 @@ def _moe_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, N, E, SPLITS, K: tl.c
     tl.store(ids_ptr + n * K + k, ids.to(tl.int64), mask=k < K)
 
 
-# warps per token's routing program: its K rounds of argmax are reductions over the E experts, through shared
-# memory between warps; one warp reduces with shuffles alone (H200, 9 tokens, 384 experts: 4.2 -> 3.3 us)
-TOPK_WARPS = 1
-
-
 def _topk_launch(partial_logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float):
     S, N, E = partial_logits.shape
     w = torch.empty(N, top_k, dtype=torch.float32, device=partial_logits.device)
     ids = torch.empty(N, top_k, dtype=torch.int64, device=partial_logits.device)
     if N:
         _moe_topk_kernel[(N,)](partial_logits, bias, w, ids, N, E, S, K=top_k, K_POW2=triton.next_power_of_2(top_k),
-                               NORM=norm, SCALE=float(scale), E_POW2=triton.next_power_of_2(E), num_warps=TOPK_WARPS)
+                               NORM=norm, SCALE=float(scale), E_POW2=triton.next_power_of_2(E))
     return w, ids
 
 

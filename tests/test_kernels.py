@@ -270,8 +270,8 @@ def test_fused_moe_kernel(T, E, K, D, I, tiles, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("ids", [[[3, 3, 5, 3]], [[3, 1, 3, 0], [3, 0, 2, 1]]], ids=["T1", "T2"])
 def test_fused_moe_repeated_expert(ids, dtype, monkeypatch):
-    """One expert taken 3 times by one token, or 2 + 1 times by two: the GEMV reads an expert's pairs two at a
-    time and then the odd one, and at T = 1 one at a time; every pair must be summed exactly once."""
+    """One expert taken 3 times by one token, or 2 + 1 times by two: a GEMV program takes its expert's pairs one
+    after another over the same weights; every pair must be summed exactly once."""
     monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
     T, K = len(ids), len(ids[0])
     args = list(make_moe(T, 6, K, 128, 64, dtype, KERNEL_DEVICE, seed=5))
