@@ -242,7 +242,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ----------------------------------------------------------------------------------------------
 # Layers, tensor-parallel like model.py: q/k/v_proj and gate/up_proj column-parallel (whole heads, slices of
 # the intermediate rows), o_proj, down_proj and fc row-parallel, each followed by an all_reduce at its call
-# site (only when world_size > 1). Norms and rope are replicated.
+# site (only when world_size > 1). Norms and rope are replicated. The MLP is model.DenseMLP itself.
 
 
 class Linear(M.Linear):
@@ -318,29 +318,13 @@ class Attention(nn.Module):
         return y
 
 
-class MLP(nn.Module):
-    """SwiGLU: gate/up column-parallel (a slice of intermediate_size), down row-parallel + one all_reduce."""
-
-    def __init__(self, a: DraftArgs):
-        super().__init__()
-        self.gate_proj = Linear(a.hidden_size, a.intermediate_size, shard_dim=0)
-        self.up_proj = Linear(a.hidden_size, a.intermediate_size, shard_dim=0)
-        self.down_proj = Linear(a.intermediate_size, a.hidden_size, shard_dim=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down_proj(M.silu_mul(self.gate_proj(x), self.up_proj(x)))
-        if M.world_size > 1:
-            dist.all_reduce(y)                  # down_proj is row-parallel: sum the slices' partial outputs
-        return y
-
-
 class Layer(nn.Module):
     def __init__(self, a: DraftArgs):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = Attention(a)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = MLP(a)
+        self.mlp = M.DenseMLP(a.hidden_size, a.intermediate_size)   # Qwen3's SwiGLU is the target's dense MLP
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)

@@ -129,7 +129,9 @@ MOE_GEMV_BLOCKS = dict(gate_up=dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_st
 MOE_BLOCKS = dict(gate_up=dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
                   down=dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2))
 MOE_MAX_SPLIT_K = 8
-MOE_GEMV_MIN_SPLIT_K = 2     # H200, I = 2048 / 256, T = 9: 481.0 -> 478.1 / 96.2 -> 89.3 us against 1 (sweep there)
+# stage 1's least split over D at T > 1 (H200, I = 2048 / 256, T = 9: 481.0 -> 478.1 / 96.2 -> 89.3 us against 1;
+# docs/BENCHMARKS.md). Decode (T = 1) keeps _split_k's choice: 73.0 against 75.9 us at I = 2048, equal at 256.
+MOE_GEMV_MIN_SPLIT_K = 2
 # Token rows per tile of the tl.dot path: the smallest tl.dot tile. An expert with more pairs loops over them.
 MOE_BLOCK_M = 16
 # PTX only on NVIDIA hardware: not under the interpreter, not on ROCm
@@ -563,7 +565,8 @@ def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group
     cfg = MOE_GEMV_BLOCKS["gate_up"]
     n_blocks = triton.cdiv(I, cfg["BLOCK_N"])
     n_tiles = triton.cdiv(D // 8, cfg["BLOCK_W"])
-    split_k = max(min(MOE_GEMV_MIN_SPLIT_K, n_tiles), _split_k(n_tiles, n_slots * n_blocks, x.device))
+    split_min = MOE_GEMV_MIN_SPLIT_K if T > 1 else 1                         # verify steps (see the constant)
+    split_k = max(min(split_min, n_tiles), _split_k(n_tiles, n_slots * n_blocks, x.device))
     gu = _empty((split_k, P, 2 * I), torch.float32, x.device)
     _moe_gate_up_gemv[(n_slots, n_blocks, split_k)](
         xk, xs, w13_packed, w13_scale, gu, pair_ids, slots, I, K, P, D // 8, D // group_size,

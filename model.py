@@ -338,8 +338,8 @@ def share_rows(*linears: Linear) -> torch.Tensor:
     [sum of out, in] tensor, returned: each Linear's weight becomes a view of its row block, so parameter names,
     in-place loading and TP slicing stay as they were, while linear_rows computes every output in one GEMM (one
     launch, one pass over the weights; H200, T = 9: q_a + kv_a 18.8 -> 13.2 µs, shared gate + up 27.4 -> 21.2).
-    The sharing lasts while the weights are written in place: build the model on its device and dtype (as
-    generate.py does) rather than moving it with .to() afterwards; linear_rows checks it."""
+    Writes in place keep the sharing; .to() / .cuda() give every parameter a new tensor, so the modules that
+    share rows call this again from _apply. linear_rows checks it (load_state_dict(assign=True) would break it)."""
     w = torch.cat([lin.weight.detach() for lin in linears])                     # [sum out, in]
     row = 0
     for lin in linears:
@@ -359,8 +359,8 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, *linears: Linear) -> tuple[tor
         row = 0
         for lin in linears:
             if lin.weight.data_ptr() != w[row].data_ptr():
-                raise RuntimeError("a Linear's weight no longer lives in its share_rows tensor (was the model moved "
-                                   "with .to() or a parameter replaced?): build the model on its device and dtype")
+                raise RuntimeError("a Linear's weight no longer lives in its share_rows tensor (a parameter was "
+                                   "replaced, e.g. by load_state_dict(assign=True)): load in place instead")
             row += lin.weight.shape[0]
     return F.linear(x, w).split([lin.weight.shape[0] for lin in linears], dim=-1)
 
@@ -506,6 +506,11 @@ class MLA(nn.Module):
         self.latent_kernel_fits = pow2(self.kv_lora_rank, 2) and pow2(self.rope, 2)
         self.attn_kernel_fits = pow2(self.kv_lora_rank, 16) and pow2(self.rope, 16)
 
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)            # .to() / .cuda(): new tensors, so share their rows again
+        self.q_kv_a_weight = share_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
+        return self
+
     def forward(self, x, cos, sin, cache=None, start_pos=None, tree_mask=None, absorb=False, slots=None):
         """x [B, T, D]. cache: this layer's [Bmax, S, R+P] slice or None (no cache: causal attention over x).
         start_pos: int or LongTensor [B] = slot of the first new token. tree_mask [B, T, T] bool or None (causal);
@@ -610,6 +615,11 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(dim, inter)
         self.down_proj = RowParallelLinear(inter, dim)
         self.gate_up_weight = share_rows(self.gate_proj, self.up_proj)            # [2 inter/ws, dim]
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)            # as MLA._apply
+        self.gate_up_weight = share_rows(self.gate_proj, self.up_proj)
+        return self
 
     def forward(self, x):
         return self.down_proj(silu_mul(*linear_rows(x, self.gate_up_weight, self.gate_proj, self.up_proj)))
@@ -1110,8 +1120,7 @@ def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         if ".experts." in name:
             continue
-        # a copy: share_rows' views share one storage, which safetensors refuses to save as separate tensors
-        out[("lm_head.weight" if name == "lm_head.weight" else "model." + name)] = p.detach().clone()
+        out[("lm_head.weight" if name == "lm_head.weight" else "model." + name)] = p.detach()
     for l, layer in enumerate(model.layers):
         if not isinstance(layer.mlp, MoE):
             continue

@@ -275,3 +275,19 @@ def test_share_rows_one_gemm_same_outputs():
     lin_b.weight = torch.nn.Parameter(torch.randn(3, 8))
     with torch.no_grad(), pytest.raises(RuntimeError, match="share_rows"):
         M.linear_rows(x, w, lin_a, lin_b)
+
+
+def test_share_rows_survives_to():
+    """A model moved or cast after it was built (`.to()`, as tests and users do with `.cuda()`) shares its rows
+    again: the same outputs as before the move, through one GEMM over a tensor its weights live in."""
+    model = M.Transformer(M.ModelArgs.from_config(tiny.text_config()))
+    tiny.randomize_(model, seed=1)
+    tokens = torch.tensor([[3, 5, 7, 11]])
+    with torch.no_grad():
+        before = model(tokens).double()
+        model.to(torch.float64)
+        after = model(tokens)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert attn.q_kv_a_weight.dtype == torch.float64 and torch.allclose(after.double(), before, atol=1e-4)
+    assert attn.q_a_proj.weight.data_ptr() == attn.q_kv_a_weight.data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_weight[mlp.gate_proj.weight.shape[0]].data_ptr()
