@@ -772,14 +772,15 @@ def fused_moe_w4a16_ref(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_pac
 # MIN_SPLIT keys long so the fp32 partial outputs (T*H*R*4 B per split) stay small next to the keys they summarize.
 # Sweep on an H200 (scratch, 2026-11-30, us at H/T/prefix 8/1/32k, 8/9/32k, 8/17/32k, 64/9/4096, 64/17/4096):
 # 2 waves 25.0 53.0 82.2 48.3 98.2 against 4 waves 24.8 57.4 84.8 55.8 86.7 (1 wave: 23.4 75.0 114.6 64.7 114.9).
-# 64-row query blocks (wgmma-sized; 8 warps) were slower at every shape: 47.3 77.3 105.6 69.9 94.1 at best.
+# 64-row query blocks (wgmma-sized; 8 warps) were slower at every shape: 47.3 77.3 105.6 69.9 94.1 at best (with
+# 2 waves of splits and 64-column merges; with one wave and ATTN_MERGE they win from 512 rows: ATTN_WIDE).
 ATTN_BLOCKS = dict(BLOCK_Q=16, BLOCK_S=64, num_warps=4, num_stages=2)
 ATTN_SPLITS = dict(max_splits=256, min_split_len=128, waves=2)
-# From min_rows query rows (T x local heads) on, 64-row blocks (warpgroup MMAs, 8 warps), splits for `waves` waves:
-# fewer re-reads of the cache from L2 when there are many rows to share it.
-# H200 (2026-11-30, fourth session), us at H/T/prefix 8/1/32k, 8/9/32k, 8/17/32k, 64/9/4096, 64/17/4096: narrow
-# 18.9 46.3 73.4 40.9 63.5 from 256 rows with waves 1 (18.7 46.4 73.9 42.9 91.0 without; waves 2: 52.7 76.7 at 64 heads).
-# From 256 rows, 8/33/32k went 128 -> 190 us (264 rows) while 8/64/32k went 340 -> 174 and 64/9/32k 357 -> 214.
+# From min_rows query rows (T x local heads) on: 64-row blocks (warpgroup MMAs, 8 warps) and splits for `waves`
+# waves, so fewer blocks re-read the cache through L2 when many rows share it. H200 (2026-11-30, fourth session), us
+# at H/T/prefix 8/1/32k, 8/9/32k, 8/17/32k, 64/9/4096, 64/17/4096: 16-row blocks only 18.7 46.4 73.9 42.9 91.0;
+# 64-row blocks from 256 rows, waves 1: 18.9 46.3 73.4 40.9 63.5 (waves 2: 52.7 76.7 at 64 heads). From 256 rows,
+# though, 8/33/32k (264 rows) went 128 -> 190 us, while 8/64/32k went 340 -> 174 and 64/9/32k 357 -> 214: hence 512.
 ATTN_WIDE = dict(min_rows=512, BLOCK_Q=64, BLOCK_S=64, num_warps=8, num_stages=2, waves=1)
 # The merge's programs: one query row x BLOCK_R latent columns x every split, BLOCK_R as wide as ~`elements` values
 # per program allow (wider was 42.8 -> 36.3 us at 64 heads, 8 splits; at 256 splits, 512 columns was 19 -> 92 us)

@@ -356,9 +356,9 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, *linears: Linear) -> tuple[tor
     if torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in linears):
         return tuple(lin(x) for lin in linears)
     if not torch.compiler.is_compiling():
-        row = 0
-        for lin in linears:
-            if lin.weight.data_ptr() != w[row].data_ptr():
+        row_bytes, row = w.stride(0) * w.element_size(), 0
+        for lin in linears:            # pointer arithmetic, not w[row]: no view made per call on the eager hot path
+            if lin.weight.data_ptr() != w.data_ptr() + row * row_bytes:
                 raise RuntimeError("a Linear's weight no longer lives in its share_rows tensor (a parameter was "
                                    "replaced, e.g. by load_state_dict(assign=True)): load in place instead")
             row += lin.weight.shape[0]
