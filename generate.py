@@ -258,7 +258,14 @@ class StaticStep:
         self.ctx_feats = torch.zeros(B, bs, width, dtype=model.embed_tokens.weight.dtype, device=dev)
         self.out = z(B, self.N + 1)                # per row [accept_len, committed tokens...]: one host copy
         fn = self._spec_step if drafter else self._ar_step
-        self.fn = torch.compile(fn) if compile else fn
+        if compile:
+            # One specialization per shape (budget, batch, sampling), never a dynamic-shape graph: the step's shapes
+            # are fixed by design, and a symbolic recompile for a second budget crashed in torch 2.11 / 2.13
+            # (gather(out=) into a slice of ctx_feats fails its overlap check on symbolic sizes). Every budget,
+            # temperature and the chain are separate entries of the same code objects, hence the larger limit.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            fn = torch.compile(fn, dynamic=False)
+        self.fn = fn
         self.use_graph, self.graph = graph, None
 
     def load(self, bonus: torch.Tensor, start, ctx_len) -> None:

@@ -204,9 +204,10 @@ def test_greedy_with_cache_equals_recompute(target):
 
 def test_compiled_step_equals_eager(target, real_drafter):
     """--compile (torch.compile of the fixed-shape step; on a GPU it is also what --cuda-graph --compile
-    captures) commits the eager loop's tokens: the step has no host sync or data-dependent Python branch."""
+    captures) commits the eager loop's tokens: the step has no host sync or data-dependent Python branch. A second
+    budget in the same process recompiles the same step for new shapes (a dynamic-shape recompile crashed here)."""
     prompt = [7, 3, 9, 1, 4]
-    for drafter, budget in ((None, 0), (real_drafter, 8)):
+    for drafter, budget in ((None, 0), (real_drafter, 8), (real_drafter, 3)):
         eager, compiled = G.Stats(), G.Stats()
         a = G.generate(target, prompt, 12, drafter=drafter, budget=budget, max_seq_len=96, stats=eager)
         b = G.generate(target, prompt, 12, drafter=drafter, budget=budget, max_seq_len=96, stats=compiled,
