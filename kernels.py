@@ -5,7 +5,8 @@ the DDTree search, plus the INT4 format helpers.
     fused_moe_w4a16     routed experts straight from the INT4 pack-quantized checkpoint layout: a bandwidth-bound
                         GEMV for decode / verify (~17 instructions per int32 word of 8 weights; an expert that
                         several tokens chose comes from HBM once), tl.dot tiles for prefill
-    mla_tree_attention  absorbed-MLA attention over the compressed cache, with a tree mask for the new tokens
+    mla_tree_attention  absorbed-MLA attention over the compressed cache, with a tree mask for the new tokens; on
+                        Hopper, from 64 query rows, a Gluon kernel (wgmma + TMA) that holds 64 rows per program
     rms_norm            RMSNorm in one launch instead of eight; with it the rest of a layer's decode glue (rope, the
                         cache write, add + norm, SwiGLU, routing top-k, the MoE pair sort), one launch each
     router_topk         the fp32 router matmul (split over D, exact products for bf16 inputs) + routing, two launches
@@ -22,6 +23,7 @@ Tests (CPU, kernels run under TRITON_INTERPRET=1 in a subprocess):  python -m py
 GPU self-test (bf16 at K2.6 shapes, vs the refs, timings):          python kernels.py
 Launch-config sweep on a GPU:                                       python kernels.py --sweep
 """
+import functools
 import os
 import sys
 import types
@@ -37,6 +39,17 @@ except ImportError:  # the refs still work; the @triton.jit definitions below ju
     HAS_TRITON = False
     triton = types.SimpleNamespace(jit=lambda fn: fn)
     tl = types.SimpleNamespace(constexpr=None)
+
+try:  # Gluon: Triton's explicit-layout dialect (wgmma, TMA, mbarriers), for the Hopper attention kernel. Its API moves
+    # between releases, so only the version this code was written and tested against (3.6) turns it on.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    HAS_GLUON = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
+except (ImportError, AttributeError):
+    HAS_GLUON = False
 
 FORCE_REF = False      # generate.py --no-triton sets this: use the *_ref twins even on CUDA
 POISON_BUFFERS = False  # tests set this: scratch buffers start as NaN, so an unwritten element shows up
@@ -901,6 +914,165 @@ def _mla_merge_kernel(o_part_ptr, lse_ptr, prefix_ptr, out_ptr, T, H, NUM_SPLITS
     tl.store(out_ptr + (b * T * H + row) * R + offs_r, out.to(out_ptr.dtype.element_ty))
 
 
+# Hopper variant of stage 1 (Gluon): one program holds 64 query rows and all 512 latent columns, which Triton's
+# layouts cannot (see ATTN_WIDE's note: its 8 warps all sit on the rows, so both warpgroups compute the same scores).
+# Here the layouts are explicit: the score tile [64, BLOCK_S] is split across the two warpgroups by key columns,
+# the fp32 output [64, R] by latent columns (128 registers a thread), so each cache tile is read once per 64 rows
+# (the 16-row kernel reads it once per 16) and the scores are computed once. Cache tiles arrive by TMA into a
+# 2-stage ring (the 64 x 576 tiles and the 64-row query use ~225 KB of shared memory: no room for a third), the
+# scores and P @ V are warpgroup MMAs (wgmma) with Q and the tile in shared memory, P goes through shared memory
+# because each warpgroup's half of the output needs every key's weight. Same splits, mask rule, online softmax and
+# partial outputs as _mla_split_kernel; _mla_merge_kernel merges them.
+ATTN_WGMMA = dict(min_rows=64, min_work=2**20, max_split_len=1024, BLOCK_Q=64, BLOCK_S=64, STAGES=2, num_warps=8)
+# Used from min_rows query rows (one full block) and min_work = rows x cache slots (below it the longer ramp of a
+# 64-row program loses); splits for one wave unless that makes them longer than max_split_len keys, then two.
+# H200 (2026-11-30, fifth session), us, 16-row kernel -> this one, at H/T/slots: 8/9/32k 46.2 -> 35.9, 8/17/32k
+# 71.7 -> 49.3, 8/33/32k 124.1 -> 82.9, 64/9/4096 34.2 -> 26.5, 64/17/4096 50.6 -> 37.1, 64/9/32k 213.5 -> 121.7;
+# slower where the work is small: 8/9/1000 10.6 -> 14.3, 8/9/4096 15.0 -> 15.8, 64/1/4096 12.0 -> 15.4.
+# BLOCK_S = 32 with 3-4 stages was slower everywhere (8/9/32k 44.7: the 16-key score MMAs re-read Q from shared
+# memory for half the work each); issuing the next tile's score MMAs before waiting for P @ V changed nothing (+-1%).
+# What bounds it now: one program per SM (255 registers a thread, ~225 KB of shared memory) with one tile in flight
+# while it computes, ~3 us a tile, plus ~8 us of ramp, partial outputs and merge per call.
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _use_wgmma_attention(q_lat, cache, rows: int) -> bool:
+    c = ATTN_WGMMA
+    R, P = q_lat.shape[-1], cache.shape[-1] - q_lat.shape[-1]
+    smem = 2 * ((c["BLOCK_Q"] + c["STAGES"] * c["BLOCK_S"]) * (R + P) + c["BLOCK_Q"] * c["BLOCK_S"])
+    return (HAS_GLUON and not INTERPRETED and q_lat.is_cuda and q_lat.dtype in (torch.bfloat16, torch.float16)
+            and _capability(q_lat.device)[0] == 9                             # wgmma + TMA: Hopper only
+            and rows >= c["min_rows"] and rows * cache.shape[1] >= c["min_work"]
+            and R // 2 <= 256 and smem <= 227 * 1024)                         # wgmma N <= 256; shared memory
+
+
+if HAS_GLUON:
+    @gluon.jit
+    def _mla_wgmma_kernel(q_lat_ptr, q_pe_ptr, kv_desc, pe_desc, prefix_ptr, bits_ptr, o_ptr, lse_ptr,
+                          sm_scale, T, H, NUM_SPLITS, S_SLOTS, stride_qb, stride_qt, stride_qh,
+                          R: gl.constexpr, P: gl.constexpr, MIN_SPLIT: gl.constexpr,
+                          BLOCK_Q: gl.constexpr, BLOCK_S: gl.constexpr, STAGES: gl.constexpr):
+        # grid (q block, split, b) as _mla_split_kernel; 8 warps = 2 warpgroups
+        b = gl.program_id(2)
+        split = gl.program_id(1)
+        prefix = gl.load(prefix_ptr + b).to(gl.int32)
+        L = prefix + T
+        split_len = gl.cdiv(gl.maximum(gl.cdiv(L, NUM_SPLITS), MIN_SPLIT), BLOCK_S) * BLOCK_S    # as _split_len
+        s_start = split * split_len
+        if s_start < L:                                   # else beyond this row's keys; the merge never reads it
+            s_end = gl.minimum(s_start + split_len, L)
+            n_tiles = gl.cdiv(s_end - s_start, BLOCK_S)
+            dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
+            # scores [BLOCK_Q, BLOCK_S]: warpgroup w takes key columns w*BLOCK_S/2.. ; output [BLOCK_Q, R]: latent
+            # columns w*R/2.. ; both MMAs are [4, 2] warps over (rows, columns)
+            s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                               instr_shape=[16, BLOCK_S // 2, 16])
+            o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                               instr_shape=[16, R // 2, 16])
+            ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+
+            # the block's query rows r = t*H + h into shared memory, once (q_lat may be strided, as in the other)
+            rows_ld = gl.program_id(0) * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, ld_layout))
+            rmask = (rows_ld < T * H)[:, None]
+            q_rows = q_lat_ptr + b * stride_qb + (rows_ld // H) * stride_qt + (rows_ld % H) * stride_qh
+            q = gl.load(q_rows[:, None] + gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))[None, :],
+                        mask=rmask, other=0.0)
+            q_smem = gl.allocate_shared_memory(dtype, [BLOCK_Q, R],
+                                               gl.NVMMASharedLayout.get_default_for([BLOCK_Q, R], dtype), q)
+            qpe = gl.load(q_pe_ptr + (b * T * H + rows_ld)[:, None] * P
+                          + gl.arange(0, P, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=rmask, other=0.0)
+            qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_Q, P],
+                                                 gl.NVMMASharedLayout.get_default_for([BLOCK_Q, P], dtype), qpe)
+            p_smem = gl.allocate_shared_memory(dtype, [BLOCK_Q, BLOCK_S],
+                                               gl.NVMMASharedLayout.get_default_for([BLOCK_Q, BLOCK_S], dtype))
+
+            # 2-stage ring of cache tiles (latent [BLOCK_S, R] and rope [BLOCK_S, P]), one mbarrier per stage
+            kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_S, R], kv_desc.layout)
+            pe_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_S, P], pe_desc.layout)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            row0 = b * S_SLOTS + s_start                  # the cache as [B * S_SLOTS, R + P] rows
+            for i in gl.static_range(STAGES):
+                mbarrier.init(ready.index(i), count=1)
+                _mla_tile_load(kv_desc, pe_desc, ready.index(i), kv_smem.index(i), pe_smem.index(i),
+                               row0 + i * BLOCK_S, i < n_tiles, R)
+            fence_async_shared()
+            gl.thread_barrier()                           # the query rows are in shared memory for every warp
+
+            rows = gl.program_id(0) * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, s_layout))
+            bits = gl.load(bits_ptr + b * T + rows // H, mask=rows < T * H, other=0)   # [BLOCK_Q] tree-mask words
+            cols = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(0, s_layout))
+            m_i = gl.full([BLOCK_Q], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([BLOCK_Q], gl.float32, layout=gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([BLOCK_Q, R], gl.float32, layout=o_layout)
+            s_zero = gl.zeros([BLOCK_Q, BLOCK_S], gl.float32, layout=s_layout)
+            for i in range(n_tiles):
+                stage = i % STAGES
+                mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+                kv = kv_smem.index(stage)
+                pe = pe_smem.index(stage)
+                sc = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                sc = warpgroup_mma(qpe_smem, pe.permute((1, 0)), sc, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+                s = s_start + i * BLOCK_S + cols
+                j = s - prefix                                                   # tree slot index of key s
+                in_tree = ((bits[:, None] >> gl.maximum(j, 0)[None, :]) & 1) != 0
+                visible = ((s < prefix)[None, :] | ((j >= 0)[None, :] & in_tree)) & (s < s_end)[None, :]
+                scores = gl.where(visible, sc * sm_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(scores, 1))                      # a reduction across warpgroups
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                p = gl.exp(scores - m_safe[:, None])
+                alpha = gl.exp(m_i - m_safe)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                p_smem.store(p.to(dtype))
+                fence_async_shared()
+                gl.thread_barrier()                       # both halves of P written before either MMA reads it
+                acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                gl.thread_barrier()                       # both warpgroups are done with this stage (and with P)
+                _mla_tile_load(kv_desc, pe_desc, ready.index(stage), kv, pe, row0 + (i + STAGES) * BLOCK_S,
+                               i + STAGES < n_tiles, R)
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(ready.index(i))
+
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            seen = l_o > 0
+            o = gl.where(seen[:, None], acc / gl.where(seen, l_o, 1.0)[:, None], 0.0)
+            lse = gl.where(seen, gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log(gl.where(seen, l_o, 1.0)),
+                           float("-inf"))
+            rows_o = gl.program_id(0) * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, o_layout))
+            part = (b * NUM_SPLITS + split) * T * H + rows_o          # o_part [B, NS, T*H, R], lse_part [B, NS, T*H]
+            offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, o_layout))
+            gl.store(o_ptr + part[:, None].to(gl.int64) * R + offs_r[None, :], o, mask=(rows_o < T * H)[:, None])
+            gl.store(lse_ptr + part, lse, mask=rows_o < T * H)
+
+    @gluon.jit
+    def _mla_tile_load(kv_desc, pe_desc, bar, kv, pe, row, pred, R: gl.constexpr):
+        # one cache tile (latent and rope parts) by TMA into a ring stage; bar completes when its bytes landed.
+        # Rows past this b's slots come from the next b or TMA's zero fill: the visibility mask drops them.
+        mbarrier.expect(bar, kv_desc.block_type.nbytes + pe_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(kv_desc, [row, 0], bar, kv, pred=pred)
+        tma.async_copy_global_to_shared(pe_desc, [row, R], bar, pe, pred=pred)
+
+
+def _mla_wgmma_split(q_lat, q_pe, cache, prefix_len, bits, softmax_scale, o_part, lse_part, num_splits):
+    B, T, H, R = q_lat.shape
+    P, c = q_pe.shape[-1], ATTN_WGMMA
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[cache.dtype]
+    rows2d = cache.view(-1, R + P)                                       # [B * S, R + P]: one TMA descriptor each
+    descs = [TensorDescriptor(rows2d, list(rows2d.shape), list(rows2d.stride()), [c["BLOCK_S"], n],
+                              gl.NVMMASharedLayout.get_default_for([c["BLOCK_S"], n], gdt)) for n in (R, P)]
+    _mla_wgmma_kernel[(triton.cdiv(T * H, c["BLOCK_Q"]), num_splits, B)](
+        q_lat, q_pe, *descs, prefix_len, bits, o_part, lse_part, softmax_scale, T, H, num_splits, cache.shape[1],
+        *q_lat.stride()[:3], R=R, P=P, MIN_SPLIT=ATTN_SPLITS["min_split_len"], BLOCK_Q=c["BLOCK_Q"],
+        BLOCK_S=c["BLOCK_S"], STAGES=c["STAGES"], num_warps=c["num_warps"])
+
+
 def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale: float, out=None):
     B, T, H, R = q_lat.shape
     P = q_pe.shape[-1]
@@ -923,23 +1095,36 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
         out = torch.empty(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)
     assert out.shape == q_lat.shape and out.dtype == q_lat.dtype and out.is_contiguous(), "out: like q_lat, contiguous"
 
-    wide = T * H >= ATTN_WIDE["min_rows"]
+    rows = T * H
+    wgmma = _use_wgmma_attention(q_lat, cache, rows)
+    wide = not wgmma and rows >= ATTN_WIDE["min_rows"]
     cfg = {k: ATTN_WIDE[k] for k in ATTN_BLOCKS} if wide else ATTN_BLOCKS
-    waves = ATTN_WIDE["waves"] if wide else ATTN_SPLITS["waves"]
-    BLOCK_Q, BLOCK_S, MIN_SPLIT = cfg["BLOCK_Q"], cfg["BLOCK_S"], ATTN_SPLITS["min_split_len"]
+    BLOCK_Q, BLOCK_S = (ATTN_WGMMA["BLOCK_Q"], ATTN_WGMMA["BLOCK_S"]) if wgmma else (cfg["BLOCK_Q"], cfg["BLOCK_S"])
+    MIN_SPLIT = ATTN_SPLITS["min_split_len"]
     assert MIN_SPLIT % BLOCK_S == 0, "min_split_len must be a multiple of BLOCK_S"
-    n_qblocks = triton.cdiv(T * H, BLOCK_Q)
-    # the grid depends on shapes only (no sync): splits for ~`waves` waves, at most one per MIN_SPLIT keys of the cache
-    num_splits = max(1, min(ATTN_SPLITS["max_splits"], triton.cdiv(cache.shape[1], MIN_SPLIT),
-                            triton.cdiv(int(waves * _sm_count(q_lat.device)), B * n_qblocks)))
+    n_qblocks = triton.cdiv(rows, BLOCK_Q)
+
+    def splits(waves: float) -> int:
+        # the grid depends on shapes only (no sync): splits for ~`waves` waves, at most one per MIN_SPLIT cache keys
+        return max(1, min(ATTN_SPLITS["max_splits"], triton.cdiv(cache.shape[1], MIN_SPLIT),
+                          triton.cdiv(int(waves * _sm_count(q_lat.device)), B * n_qblocks)))
+    if wgmma:   # one wave, or two where one would make the splits longer than max_split_len
+        num_splits = splits(1)
+        if triton.cdiv(cache.shape[1], num_splits) > ATTN_WGMMA["max_split_len"]:
+            num_splits = splits(2)
+    else:
+        num_splits = splits(ATTN_WIDE["waves"] if wide else ATTN_SPLITS["waves"])
 
     bits = tree_mask.contiguous() if packed else tree_mask_bits(tree_mask)       # [B, T] int64
     o_part = _empty((B, num_splits, T * H, R), torch.float32, q_lat.device)
     lse_part = _empty((B, num_splits, T * H), torch.float32, q_lat.device)
-    _mla_split_kernel[(n_qblocks, num_splits, B)](
-        q_lat, q_pe, cache, prefix_len, bits, o_part, lse_part,
-        softmax_scale, T, H, num_splits, cache.stride(0), cache.stride(1), *q_lat.stride()[:3],
-        R=R, P=P, MIN_SPLIT=MIN_SPLIT, **cfg)
+    if wgmma:
+        _mla_wgmma_split(q_lat, q_pe, cache, prefix_len, bits, softmax_scale, o_part, lse_part, num_splits)
+    else:
+        _mla_split_kernel[(n_qblocks, num_splits, B)](
+            q_lat, q_pe, cache, prefix_len, bits, o_part, lse_part,
+            softmax_scale, T, H, num_splits, cache.stride(0), cache.stride(1), *q_lat.stride()[:3],
+            R=R, P=P, MIN_SPLIT=MIN_SPLIT, **cfg)
     SPLITS = triton.next_power_of_2(num_splits)
     BLOCK_R = min(R, max(16, 1 << (ATTN_MERGE["elements"] // SPLITS).bit_length() - 1))     # a power of two
     _mla_merge_kernel[(B, T * H, R // BLOCK_R)](

@@ -611,6 +611,87 @@ def test_mla_tree_attention_kernel(T, H, prefixes, kind, tiles, dtype, monkeypat
     assert torch.equal(kernels.mla_tree_attention(strided, *args[1:]), out)
 
 
+HOPPER = KERNEL_DEVICE == "cuda" and kernels.HAS_GLUON and torch.cuda.get_device_capability()[0] == 9
+WGMMA_CASES = [  # T, H, R, P, prefixes, mask kind, max_split_len (small: two waves of splits)
+    (9, 8, 32, 16, [1000, 3], "bushy", 1024),      # 72 rows: a full 64-row block and a partial one
+    (1, 64, 32, 16, [500, 0], "chain", 1024),      # exactly one block; an empty prefix
+    (17, 2, 32, 16, [0, 200], "holes", 64),        # rows with nothing visible -> zeros; two waves of splits
+    (64, 1, 32, 16, [5, 70], "bushy", 1024),       # tree slot 63 is the sign bit of the mask word
+    (9, 8, 512, 64, [3000], "bushy", 1024),        # K2.6 dims: the ~225 KB shared-memory configuration
+]
+
+
+@pytest.mark.skipif(not HOPPER, reason="wgmma and TMA: an sm_90 GPU and triton >= 3.6 (Gluon); on CPU "
+                                       "test_mla_wgmma_kernel_compiles_for_hopper builds it")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T, H, R, P, prefixes, kind, max_split_len", WGMMA_CASES)
+def test_mla_wgmma_attention_kernel(T, H, R, P, prefixes, kind, max_split_len, dtype, monkeypatch):
+    """The Hopper stage 1 (_mla_wgmma_kernel) == the reference, forced on at small shapes with several splits."""
+    monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
+    monkeypatch.setattr(kernels, "ATTN_WGMMA", dict(kernels.ATTN_WGMMA, min_rows=0, min_work=0,
+                                                    max_split_len=max_split_len))
+    monkeypatch.setattr(kernels, "ATTN_SPLITS", dict(kernels.ATTN_SPLITS, max_splits=8, min_split_len=64))
+    args = make_attn(len(prefixes), T, H, R, P, prefixes, kind, dtype, KERNEL_DEVICE, seed=T + H + R)
+    assert kernels._use_wgmma_attention(args[0], args[2], T * H)
+    out = torch.full_like(args[0], float("nan"))
+    assert kernels.mla_tree_attention(*args, out=out) is out
+    ref = kernels.mla_tree_attention_ref(*args)
+    assert_close(out, ref, TOL[dtype], f"wgmma attn T={T} H={H} R={R} {prefixes} {kind} {dtype}")
+    packed = (*args[:4], kernels.tree_mask_bits(args[4]), args[5])
+    assert torch.equal(kernels.mla_tree_attention(*packed), out)
+    strided = args[0].permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)                  # [B, T, H, R] view
+    assert torch.equal(kernels.mla_tree_attention(strided, *args[1:]), out)
+    # captured in a CUDA graph (the TMA descriptors are kernel arguments, filled at capture), replayed on new
+    # inputs written in place: the eager result for those inputs
+    g_out = torch.empty_like(out)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kernels.mla_tree_attention(*packed, out=g_out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.mla_tree_attention(*packed, out=g_out)
+    fresh = make_attn(len(prefixes), T, H, R, P, prefixes, kind, dtype, KERNEL_DEVICE, seed=T + H + R + 1)
+    for buf, new in zip(packed[:3], fresh[:3]):
+        buf.copy_(new)
+    graph.replay()
+    assert torch.equal(g_out, kernels.mla_tree_attention(*packed))
+
+
+@pytest.mark.skipif(not kernels.HAS_GLUON, reason="Gluon needs triton >= 3.6")
+def test_mla_wgmma_kernel_compiles_for_hopper():
+    """No GPU needed: the Hopper attention kernel at K2.6 dims compiles for sm_90 (Gluon -> PTX -> ptxas, all on
+    this machine) into warpgroup MMAs and TMA copies, fits the 227 KB of shared memory and spills no register."""
+    import re
+    import tempfile
+    import triton.backends.nvidia
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    gl, c, R, P = kernels.gl, kernels.ATTN_WGMMA, 512, 64
+    desc = {n: f"tensordesc<bf16[{c['BLOCK_S']}, {n}],"
+               f"{gl.NVMMASharedLayout.get_default_for([c['BLOCK_S'], n], gl.bfloat16)!r}>" for n in (R, P)}
+    sig = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", kv_desc=desc[R], pe_desc=desc[P], prefix_ptr="*i64",
+               bits_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32", sm_scale="fp32", T="i32", H="i32",
+               NUM_SPLITS="i32", S_SLOTS="i32", stride_qb="i32", stride_qt="i32", stride_qh="i32")
+    consts = dict(R=R, P=P, MIN_SPLIT=kernels.ATTN_SPLITS["min_split_len"], BLOCK_Q=c["BLOCK_Q"],
+                  BLOCK_S=c["BLOCK_S"], STAGES=c["STAGES"])
+    sig.update({k: "constexpr" for k in consts})
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*")}
+    k = kernels.triton.compile(GluonASTSource(kernels._mla_wgmma_kernel, sig, consts, aligned),
+                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=c["num_warps"]))
+    ptx = k.asm["ptx"]
+    assert ptx.count("wgmma.mma_async") >= (R + P + c["BLOCK_S"]) // 16 and "cp.async.bulk.tensor" in ptx
+    assert k.metadata.shared <= 227 * 1024, f"{k.metadata.shared} bytes of shared memory"
+    ptxas = Path(triton.backends.nvidia.__file__).parent / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        info = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
+    assert re.search(r"\b0 bytes spill stores", info) and re.search(r"\b0 bytes spill loads", info), info
+
+
 @pytest.mark.skipif(KERNEL_DEVICE is not None or not kernels.HAS_TRITON, reason="kernels run directly here")
 def test_kernels_under_triton_interpreter():
     names = ["fused_moe_kernel", "fused_moe_repeated_expert", "mla_tree_attention_kernel", "moe_prep_f16_packing", "rms_norm_kernel",
