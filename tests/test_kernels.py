@@ -659,11 +659,9 @@ def test_mla_wgmma_attention_kernel(T, H, R, P, prefixes, kind, max_split_len, d
     assert torch.equal(g_out, kernels.mla_tree_attention(*packed))
 
 
-@pytest.mark.skipif(not kernels.HAS_GLUON, reason="Gluon needs triton >= 3.6")
-def test_mla_wgmma_kernel_compiles_for_hopper():
-    """No GPU needed: the Hopper attention kernel at K2.6 dims compiles for sm_90 (Gluon -> PTX -> ptxas, all on
-    this machine) into warpgroup MMAs and TMA copies, fits the 227 KB of shared memory and spills no register."""
-    import re
+def wgmma_sm90_build() -> dict:
+    """Compile _mla_wgmma_kernel at K2.6 dims for sm_90 on this machine (Gluon -> PTX -> ptxas; no GPU needed) and
+    report what the build holds: shared memory, warpgroup MMAs, TMA copies, ptxas' register and spill summary."""
     import tempfile
     import triton.backends.nvidia
     from triton.backends.compiler import GPUTarget
@@ -681,14 +679,33 @@ def test_mla_wgmma_kernel_compiles_for_hopper():
     k = kernels.triton.compile(GluonASTSource(kernels._mla_wgmma_kernel, sig, consts, aligned),
                                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=c["num_warps"]))
     ptx = k.asm["ptx"]
-    assert ptx.count("wgmma.mma_async") >= (R + P + c["BLOCK_S"]) // 16 and "cp.async.bulk.tensor" in ptx
-    assert k.metadata.shared <= 227 * 1024, f"{k.metadata.shared} bytes of shared memory"
     ptxas = Path(triton.backends.nvidia.__file__).parent / "bin" / "ptxas"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
         info = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
                               capture_output=True, text=True, check=True).stderr
+    return dict(shared=k.metadata.shared, wgmma=ptx.count("wgmma.mma_async"), tma="cp.async.bulk.tensor" in ptx,
+                ptxas=info)
+
+
+@pytest.mark.skipif(not kernels.HAS_GLUON, reason="Gluon needs triton >= 3.6")
+def test_mla_wgmma_kernel_compiles_for_hopper():
+    """No GPU needed: the Hopper attention kernel at K2.6 dims builds for sm_90 into warpgroup MMAs and TMA copies,
+    fits the 227 KB of shared memory and spills no register. In a fresh process: in the H200's full GPU run
+    (2026-11-30) this test failed after the ~160 tests before it and passed on its own (the failure's message was
+    cut off), so the build no longer shares a process with what ran before."""
+    import json
+    import re
+    code = "import json, test_kernels as t; print(json.dumps(t.wgmma_sm90_build()))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "tests", capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    c = kernels.ATTN_WGMMA
+    assert got["wgmma"] >= (512 + 64 + c["BLOCK_S"]) // 16 and got["tma"], got
+    assert got["shared"] <= 227 * 1024, f"{got['shared']} bytes of shared memory"
+    info = got["ptxas"]
     assert re.search(r"\b0 bytes spill stores", info) and re.search(r"\b0 bytes spill loads", info), info
 
 
