@@ -1943,12 +1943,21 @@ def sweep():
              torch.tensor([prefix], device=dev),
              tree_mask_bits(torch.ones(1, T, T, dtype=torch.bool, device=dev).tril()), 0.14468)
         attn[(H, T, prefix)] = (lambda a: lambda: mla_tree_attention(*a))(a)
-    print(f"mla_tree_attention, us at (H, T, prefix) = {list(attn)}; defaults {ATTN_BLOCKS} {ATTN_SPLITS}")
+    print(f"mla_tree_attention, us at (H, T, prefix) = {list(attn)}; defaults {ATTN_BLOCKS} {ATTN_SPLITS} "
+          f"{ATTN_WGMMA}")
+    g = globals()                               # the wrappers read these module globals at call time
+    hopper = g["ATTN_WGMMA"]
+    g["ATTN_WGMMA"] = dict(hopper, min_rows=float("inf"))   # the Triton kernel's tiles, at every shape
     grid = [dict(BLOCK_Q=q, BLOCK_S=bs, num_warps=nw, num_stages=st)
             for q, bs, nw, st in itertools.product((16, 32), (16, 32, 64), (4, 8), (1, 2, 3))]
-    run(globals(), "ATTN_BLOCKS", grid, attn)   # the wrappers read these module globals at call time
+    run(g, "ATTN_BLOCKS", grid, attn)
+    g["ATTN_WGMMA"] = hopper
     splits = [dict(max_splits=m, min_split_len=n, waves=w) for m in (64, 256) for n in (64, 128, 256) for w in (1, 2, 4)]
-    run(globals(), "ATTN_SPLITS", splits, attn)
+    run(g, "ATTN_SPLITS", splits, attn)
+    if HAS_GLUON and _capability(dev)[0] == 9:  # the Hopper kernel's ring (the configurations that fit 227 KB)
+        ring = [dict(BLOCK_S=bs, STAGES=st, max_split_len=m) for bs, st in ((64, 2), (32, 3), (32, 4))
+                for m in (512, 1024, 4096)]
+        run(g, "ATTN_WGMMA", ring, attn)
 
 
 if __name__ == "__main__":
