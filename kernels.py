@@ -1060,15 +1060,16 @@ if HAS_GLUON:
         tma.async_copy_global_to_shared(pe_desc, [row, R], bar, pe, pred=pred)
 
 
-def _mla_wgmma_split(q_lat, q_pe, cache, prefix_len, bits, softmax_scale, o_part, lse_part, num_splits):
-    B, T, H, R = q_lat.shape
+def _mla_wgmma_split(q_lat, q_pe, cache, prefix_len, bits, softmax_scale, o_part, lse_part, grid):
+    # stage 1 on Hopper, grid (q blocks, splits, B) as sized by mla_tree_attention
+    _, T, H, R = q_lat.shape
     P, c = q_pe.shape[-1], ATTN_WGMMA
     gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[cache.dtype]
     rows2d = cache.view(-1, R + P)                                       # [B * S, R + P]: one TMA descriptor each
     descs = [TensorDescriptor(rows2d, list(rows2d.shape), list(rows2d.stride()), [c["BLOCK_S"], n],
                               gl.NVMMASharedLayout.get_default_for([c["BLOCK_S"], n], gdt)) for n in (R, P)]
-    _mla_wgmma_kernel[(triton.cdiv(T * H, c["BLOCK_Q"]), num_splits, B)](
-        q_lat, q_pe, *descs, prefix_len, bits, o_part, lse_part, softmax_scale, T, H, num_splits, cache.shape[1],
+    _mla_wgmma_kernel[grid](
+        q_lat, q_pe, *descs, prefix_len, bits, o_part, lse_part, softmax_scale, T, H, grid[1], cache.shape[1],
         *q_lat.stride()[:3], R=R, P=P, MIN_SPLIT=ATTN_SPLITS["min_split_len"], BLOCK_Q=c["BLOCK_Q"],
         BLOCK_S=c["BLOCK_S"], STAGES=c["STAGES"], num_warps=c["num_warps"])
 
@@ -1098,9 +1099,8 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     rows = T * H
     wgmma = _use_wgmma_attention(q_lat, cache, rows)
     wide = not wgmma and rows >= ATTN_WIDE["min_rows"]
-    cfg = {k: ATTN_WIDE[k] for k in ATTN_BLOCKS} if wide else ATTN_BLOCKS
-    BLOCK_Q, BLOCK_S = (ATTN_WGMMA["BLOCK_Q"], ATTN_WGMMA["BLOCK_S"]) if wgmma else (cfg["BLOCK_Q"], cfg["BLOCK_S"])
-    MIN_SPLIT = ATTN_SPLITS["min_split_len"]
+    cfg = ATTN_WGMMA if wgmma else {k: ATTN_WIDE[k] for k in ATTN_BLOCKS} if wide else ATTN_BLOCKS
+    BLOCK_Q, BLOCK_S, MIN_SPLIT = cfg["BLOCK_Q"], cfg["BLOCK_S"], ATTN_SPLITS["min_split_len"]
     assert MIN_SPLIT % BLOCK_S == 0, "min_split_len must be a multiple of BLOCK_S"
     n_qblocks = triton.cdiv(rows, BLOCK_Q)
 
@@ -1119,7 +1119,8 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     o_part = _empty((B, num_splits, T * H, R), torch.float32, q_lat.device)
     lse_part = _empty((B, num_splits, T * H), torch.float32, q_lat.device)
     if wgmma:
-        _mla_wgmma_split(q_lat, q_pe, cache, prefix_len, bits, softmax_scale, o_part, lse_part, num_splits)
+        _mla_wgmma_split(q_lat, q_pe, cache, prefix_len, bits, softmax_scale, o_part, lse_part,
+                         (n_qblocks, num_splits, B))
     else:
         _mla_split_kernel[(n_qblocks, num_splits, B)](
             q_lat, q_pe, cache, prefix_len, bits, o_part, lse_part,

@@ -596,11 +596,18 @@ def test_mla_tree_attention_kernel(T, H, prefixes, kind, tiles, dtype, monkeypat
         monkeypatch.setattr(kernels, "ATTN_SPLITS", dict(kernels.ATTN_SPLITS, max_splits=8, min_split_len=32))
     R, P = 32, 16
     args = make_attn(len(prefixes), T, H, R, P, prefixes, kind, dtype, KERNEL_DEVICE, seed=T + H)
+    check_attention_kernel(args, dtype, f"attn T={T} H={H} {prefixes} {kind} {dtype}")
+
+
+def check_attention_kernel(args, dtype, what):
+    """mla_tree_attention(*args) == its reference, into a poisoned `out`; the same bits from the packed mask and from
+    a strided q_lat. Returns (out, args with the packed mask)."""
+    H = args[0].shape[2]
     out = torch.full_like(args[0], float("nan"))
     res = kernels.mla_tree_attention(*args, out=out)
     assert res is out
     ref = kernels.mla_tree_attention_ref(*args)
-    assert_close(out, ref, TOL[dtype], f"attn T={T} H={H} {prefixes} {kind} {dtype}")
+    assert_close(out, ref, TOL[dtype], what)
     # the mask packed once per forward (what model.py passes) gives the same bits in both twins
     packed = (*args[:4], kernels.tree_mask_bits(args[4]), args[5])
     assert torch.equal(kernels.mla_tree_attention(*packed), out)
@@ -609,6 +616,7 @@ def test_mla_tree_attention_kernel(T, H, prefixes, kind, tiles, dtype, monkeypat
     strided = args[0].permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)                  # [B, T, H, R] view
     assert (H == 1 or not strided.is_contiguous()) and torch.equal(strided, args[0])
     assert torch.equal(kernels.mla_tree_attention(strided, *args[1:]), out)
+    return out, packed
 
 
 HOPPER = KERNEL_DEVICE == "cuda" and kernels.HAS_GLUON and torch.cuda.get_device_capability()[0] == 9
@@ -633,14 +641,7 @@ def test_mla_wgmma_attention_kernel(T, H, R, P, prefixes, kind, max_split_len, d
     monkeypatch.setattr(kernels, "ATTN_SPLITS", dict(kernels.ATTN_SPLITS, max_splits=8, min_split_len=64))
     args = make_attn(len(prefixes), T, H, R, P, prefixes, kind, dtype, KERNEL_DEVICE, seed=T + H + R)
     assert kernels._use_wgmma_attention(args[0], args[2], T * H)
-    out = torch.full_like(args[0], float("nan"))
-    assert kernels.mla_tree_attention(*args, out=out) is out
-    ref = kernels.mla_tree_attention_ref(*args)
-    assert_close(out, ref, TOL[dtype], f"wgmma attn T={T} H={H} R={R} {prefixes} {kind} {dtype}")
-    packed = (*args[:4], kernels.tree_mask_bits(args[4]), args[5])
-    assert torch.equal(kernels.mla_tree_attention(*packed), out)
-    strided = args[0].permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)                  # [B, T, H, R] view
-    assert torch.equal(kernels.mla_tree_attention(strided, *args[1:]), out)
+    out, packed = check_attention_kernel(args, dtype, f"wgmma attn T={T} H={H} R={R} {prefixes} {kind} {dtype}")
     # captured in a CUDA graph (the TMA descriptors are kernel arguments, filled at capture), replayed on new
     # inputs written in place: the eager result for those inputs
     g_out = torch.empty_like(out)
