@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels
 import model as M
 from model import CheckpointError, RMSNorm
 
@@ -263,23 +264,6 @@ class Linear(M.Linear):
         return F.linear(x, self.weight, bias)
 
 
-def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
-    """q [B, H, T, hd], k / v [B, KV, S, hd] (query heads h*KV/H .. share kv head h // (H/KV)), mask None or bool
-    [B, 1, 1, S] -> [B, H, T, hd]: softmax(q k^T * scale) v as two matmuls, the H/KV query heads of a kv head
-    stacked as rows of one matmul (as transformers' eager attention rounds: scores in the input dtype).
-    Why not F.scaled_dot_product_attention: with a mask and 8 query rows per head it picked cuDNN, which spreads
-    that little work over few blocks. Measured on one H200 (bf16, CUDA-graph medians, 2026-11-30): 19.6 vs 94.8 us
-    at the K2.6 drafter's TP8 shapes (8 query heads on 1 kv head, 8 block tokens, 4096 context slots), 40.7 vs
-    669.2 us at 32768 slots, 20.0 vs 27.3 us at the bundled drafter's (4 / 2 heads, 1024 slots)."""
-    B, H, T, hd = q.shape
-    KV = k.shape[1]
-    qg = q.reshape(B, KV, H // KV * T, hd)                                              # [B, KV, G*T, hd]
-    s = torch.matmul(qg, k.transpose(-1, -2)) * scale                                   # [B, KV, G*T, S]
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))        # [B, 1, 1, S] broadcasts; the block itself is always visible
-    return torch.matmul(s.softmax(-1), v).view(B, H, T, hd)
-
-
 class Attention(nn.Module):
     """Column-parallel by heads: rank r holds q heads [r*H/ws, (r+1)*H/ws) and kv heads [r*KV/ws, ...), the
     kv heads those q heads share (GQA groups are contiguous), so attention needs no communication; o_proj
@@ -296,23 +280,41 @@ class Attention(nn.Module):
         self.o_proj = Linear(H * self.hd, D, b, shard_dim=1)
         self.q_norm = RMSNorm(self.hd, a.rms_norm_eps)     # per head, before rope (Qwen3)
         self.k_norm = RMSNorm(self.hd, a.rms_norm_eps)
+        self.qkv_weight = M.share_rows(self.q_proj, self.k_proj, self.v_proj)         # [(H + 2 KV) hd / ws, D]
+        # the Triton kernels tile head_dim with tl.arange / tl.dot: a power of two >= 16 (else the references)
+        self.kernels_fit = self.hd >= 16 and self.hd & (self.hd - 1) == 0
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)            # .to() / .cuda(): new tensors, so share their rows again (model.MLA)
+        self.qkv_weight = M.share_rows(self.q_proj, self.k_proj, self.v_proj)
+        return self
 
     def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, D] -> roped K, V [B, T, n_kv, hd]. The same projections serve the context features
-        (fused target hiddens, no input_layernorm) and the block hidden states ("KV injection")."""
+        """x [B, T, D] -> roped K, V [B, T, n_kv, hd]: the plain equations (the prompt's context rows, training).
+        The same projections serve the context features (fused target hiddens, no input_layernorm) and the block
+        hidden states ("KV injection"); forward does both for all rows at once."""
         B, T, _ = x.shape
         k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd)), cos, sin)
         return k, self.v_proj(x).view(B, T, self.n_kv, self.hd)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
-        """x [B, bs, D]; ctx_k/ctx_v [B, S, n_kv, hd]; mask None (all visible) or bool [B, 1, 1, S+bs] (visible
-        context slots, then the block)."""
-        B, bs, _ = x.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).view(B, bs, self.n_heads, self.hd)), cos, sin)
-        k, v = self.kv(x, cos, sin)
-        k, v = torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1)               # [B, S+bs, n_kv, hd]
-        o = gqa_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.hd ** -0.5)
-        y = self.o_proj(o.transpose(1, 2).flatten(2))                                     # [B, bs, D]
+    def forward(self, x, cos, sin, k_cache, v_cache, slots, prefix, n_ctx: int, S: int) -> torch.Tensor:
+        """x [B, n_ctx + bs, D]: the new context rows (fused target features), then the block's rows
+        (input_layernorm'ed); cos / sin [B, n_ctx + bs, hd] and slots [B, n_ctx + bs]: their rope positions and
+        cache slots. Every row's K/V goes to this layer's k_cache / v_cache [Bmax, slots, n_kv, hd]; then the block's
+        queries attend over row b's first prefix[b] + bs slots (of S): the context, then the block itself, which
+        sits at prefix[b] ... -> [B, bs, D]. On a GPU: one GEMM, two kernels (kernels.qkv_norm_rope,
+        kernels.block_attention) and o_proj."""
+        B = x.shape[0]
+        qkv = M.linear_rows(x, self.qkv_weight, self.q_proj, self.k_proj, self.v_proj, split=False)  # [B, N, (H+2KV) hd]
+        if self.q_proj.bias is not None:
+            qkv = qkv + torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        fast = M.fused(x.device) and self.kernels_fit
+        q = (kernels.qkv_norm_rope if fast else kernels.qkv_norm_rope_ref)(
+            qkv, self.n_heads, self.n_kv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,
+            k_cache, v_cache, slots, q_start=n_ctx)                                       # [B, bs, H, hd]
+        attend = kernels.block_attention if fast else kernels.block_attention_ref
+        o = attend(q, k_cache[:B, :S], v_cache[:B, :S], prefix, self.hd ** -0.5)           # [B, bs, H, hd]
+        y = self.o_proj(o.flatten(2))                                                      # [B, bs, D]
         if M.world_size > 1:
             dist.all_reduce(y)                  # o_proj is row-parallel: sum the heads' partial outputs
         return y
@@ -326,10 +328,14 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = M.DenseMLP(a.hidden_size, a.intermediate_size)   # Qwen3's SwiGLU is the target's dense MLP
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
-        x, h = self.post_attention_layernorm.add(x, attn)                  # x + attn and its norm, one launch
-        return x + self.mlp(h)
+    def forward(self, h, r, f, cos, sin, k_cache, v_cache, slots, prefix, S: int) -> tuple:
+        """h [B, bs, D]: the block's residual stream, r: the previous layer's MLP output not yet added to it (None
+        in the first layer: the add and this layer's input_layernorm are one launch). f [B, n_ctx, D]: the new
+        context rows. Returns (h, this layer's MLP output); see Attention.forward for the rest."""
+        h, x = (h, self.input_layernorm(h)) if r is None else self.input_layernorm.add(h, r)
+        attn = self.self_attn(torch.cat([f, x], 1), cos, sin, k_cache, v_cache, slots, prefix, f.shape[1], S)
+        h, x = self.post_attention_layernorm.add(h, attn)                  # h + attn and its norm, one launch
+        return h, self.mlp(x)
 
 
 class DFlashDrafter(nn.Module):
@@ -343,8 +349,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.layers = nn.ModuleList(Layer(args) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.ctx_cache = None    # [n_layers, 2 (K, V), Bmax, max_ctx, local n_kv, hd], allocated by setup_cache
-        self.inv_freq = None     # fp32 on the weights' device, set by setup_cache (so .to(bf16) can't round it)
+        self.ctx_cache = None    # [n_layers, 2 (K, V), Bmax, max_ctx + 2 bs, local n_kv, hd], allocated by setup_cache
+        self.max_ctx_len = 0
+        self.rope_cos = self.rope_sin = None    # [slots, hd] in the weights' dtype, set by setup_cache
         self.ids = None          # 0, 1, 2, ...: slices of it are the step's slot and row numbers (no arange kernels)
         self.rope_amp = rope_inv_freq(args)[1]
 
@@ -353,12 +360,21 @@ class DFlashDrafter(nn.Module):
     target_layer_ids = property(lambda self: list(self.args.target_layer_ids))
 
     def setup_cache(self, max_batch_size: int, max_ctx_len: int) -> None:
+        """Room for max_ctx_len context rows per sequence, plus 2 x block_size slots past them: the block's own K/V
+        (written at the slots after the context, where the next call's context rows overwrite them) and the padding
+        rows of a fixed-shape step (up to block_size of them, parked past the block so they never collide with it)."""
         a, w = self.args, self.fc.weight
         n_kv = self.layers[0].self_attn.n_kv           # this rank's kv heads only
-        self.ctx_cache = torch.zeros(a.num_hidden_layers, 2, max_batch_size, max_ctx_len, n_kv,
-                                     a.head_dim, dtype=w.dtype, device=w.device)
-        self.inv_freq = rope_inv_freq(a)[0].to(w.device)                                  # [hd/2] fp32
-        self.ids = torch.arange(max(max_batch_size, max_ctx_len), device=w.device)
+        self.max_ctx_len = max_ctx_len
+        S = max_ctx_len + 2 * a.block_size
+        self.ctx_cache = torch.zeros(a.num_hidden_layers, 2, max_batch_size, S, n_kv, a.head_dim,
+                                     dtype=w.dtype, device=w.device)                      # [layers, K/V, B, S, KV, hd]
+        inv_freq = rope_inv_freq(a)[0].to(w.device)         # [hd/2] fp32 (computed here, so .to(bf16) can't round it)
+        self.ids = torch.arange(max(max_batch_size, S), device=w.device)
+        # cos / sin of every slot's position (a row's slot is its position), computed once: a forward gathers its
+        # rows' instead of recomputing them (the same elementwise ops, so the same values; 2 launches, not ~11)
+        self.rope_cos, self.rope_sin = (t[0] for t in rope_cos_sin(inv_freq, self.rope_amp, self.ids[None, :S],
+                                                                   w.dtype))             # [S, hd] each
 
     def fuse(self, ctx_feats: torch.Tensor) -> torch.Tensor:
         """Context features [B, n, n_taps*D] -> hidden_norm(fc(.)) [B, n, D]. fc is row-parallel: every rank
@@ -375,49 +391,45 @@ class DFlashDrafter(nn.Module):
     def forward(self, block_embeds: torch.Tensor, ctx_feats: torch.Tensor, ctx_len, n_valid=None) -> torch.Tensor:
         """block_embeds [B, bs, D]; ctx_feats [B, n_new, n_taps*D]: features of the tokens at positions
         ctx_len .. ctx_len+n_new-1 (committed since the last call), appended to the context cache.
-        ctx_len: int, or LongTensor [B] (per-row cache length; then every row attends over the whole
-        cache, masked to its own slots < ctx_len+n_new: fixed shapes, no host sync). Returns the
+        ctx_len: int, or LongTensor [B] (per-row cache length; then every row's attention covers the whole
+        cache, each row reading only its own slots < ctx_len+n_new+bs: fixed shapes, no host sync). Returns the
         normalized hidden states [B, bs, D] of the block at positions ctx_len+n_new ...+bs-1. With a tensor
         ctx_len the caller keeps ctx_len + n_new <= max_ctx_len (not checked: that would sync the host).
         n_valid: LongTensor [B] (with a tensor ctx_len): only the first n_valid rows of ctx_feats are real
-        context (fixed-shape CUDA-graph steps pad the rows); the padding rows are written past the live
-        slots, stay invisible, and the next call overwrites them.
+        context (fixed-shape CUDA-graph steps pad to n_new <= bs rows); the padding rows are written past the
+        block's slots, stay invisible, and later calls overwrite them.
         Under TP a forward makes 2 * num_hidden_layers + 1 all-reduces: fc, then o_proj and down_proj per
         layer; the context K/V need none (each rank projects and caches its own kv heads)."""
         if self.ctx_cache is None:
             raise RuntimeError("call setup_cache(max_batch_size, max_ctx_len) before the drafter forward")
         B, bs, _ = block_embeds.shape
-        n_new, dev, max_ctx = ctx_feats.shape[1], block_embeds.device, self.ctx_cache.shape[3]
+        n_new, dev = ctx_feats.shape[1], block_embeds.device
         if isinstance(ctx_len, int):
-            if ctx_len + n_new > max_ctx:
-                raise ValueError(f"drafter context overflow: ctx_len {ctx_len} + {n_new} new rows > max_ctx_len {max_ctx}")
+            if ctx_len + n_new > self.max_ctx_len:
+                raise ValueError(f"drafter context overflow: ctx_len {ctx_len} + {n_new} new rows > max_ctx_len "
+                                 f"{self.max_ctx_len}")
             start = torch.full((B,), ctx_len, dtype=torch.long, device=dev)               # [B]
-            S = ctx_len + n_new                           # eager: read only the live slots
+            S = ctx_len + n_new + bs                      # eager: read only the live slots and the block
         else:
             start = ctx_len.to(dev, torch.long)                                           # [B]
-            S = max_ctx
+            S = self.max_ctx_len + bs
+        if n_valid is not None and n_new > bs:
+            raise ValueError(f"{n_new} padded context rows: at most block_size {bs} (the cache parks that many)")
         live = start + (n_new if n_valid is None else n_valid)                            # [B] context after append
-        ids, rows = self.ids, self.ids[:B, None]                                          # rows [B, 1]
-        mask = None    # eager: no mask at all, every block token sees every live context slot and the block
-        if not isinstance(ctx_len, int):   # the whole cache: its live slots and the block, built once for all layers
-            ctx_mask = ids[:S] < live[:, None]                                            # [B, S]
-            mask = torch.cat([ctx_mask, ctx_mask.new_ones(B, bs)], dim=1)[:, None, None]  # [B, 1, 1, S+bs]
-        # rope positions of the new context rows (= their cache slots) and of the block, in one call
-        pos = torch.cat([start[:, None] + ids[:n_new], live[:, None] + ids[:bs]], dim=1)  # [B, n_new+bs]
-        ctx_pos = pos[:, :n_new]                                                          # [B, n_new]
+        ids = self.ids
+        # each row's cache slot = its rope position: the new context rows at start.., the block right after them at
+        # live..; padding rows (i >= n_valid) are moved bs slots up, past the block, where nothing reads them
+        ctx_slots = start[:, None] + ids[:n_new]                                          # [B, n_new]
+        if n_valid is not None:
+            ctx_slots = ctx_slots + bs * (ids[:n_new] >= n_valid[:, None])
+        slots = torch.cat([ctx_slots, live[:, None] + ids[:bs]], dim=1)                  # [B, n_new + bs]
         dtype = self.fc.weight.dtype
-        cos, sin = rope_cos_sin(self.inv_freq, self.rope_amp, pos, dtype)
-        (cos_c, cos_b), (sin_c, sin_b) = cos.split([n_new, bs], 1), sin.split([n_new, bs], 1)
+        cos, sin = self.rope_cos[slots], self.rope_sin[slots]                             # [B, n_new + bs, hd]
         f = self.fuse(ctx_feats)                                                          # [B, n_new, D]
-        h = block_embeds.to(dtype)
+        h, r = block_embeds.to(dtype), None
         for i, layer in enumerate(self.layers):
-            # 1) append the new context rows' K/V to this layer's cache (positions = slots)
-            k_cache, v_cache = self.ctx_cache[i, 0], self.ctx_cache[i, 1]                 # [Bmax, max_ctx, n_kv, hd]
-            k, v = layer.self_attn.kv(f, cos_c, sin_c)
-            k_cache[rows, ctx_pos], v_cache[rows, ctx_pos] = k, v
-            # 2) the block attends over all cached context + itself; its own K/V are not stored
-            h = layer(h, cos_b, sin_b, k_cache[:B, :S], v_cache[:B, :S], mask)
-        return self.norm(h)
+            h, r = layer(h, r, f, cos, sin, self.ctx_cache[i, 0], self.ctx_cache[i, 1], slots, live, S)
+        return self.norm.add(h, r)[1]
 
     @torch.no_grad()
     def append_context(self, ctx_feats: torch.Tensor, ctx_len: int, row: int = 0) -> None:
@@ -425,8 +437,9 @@ class DFlashDrafter(nn.Module):
         cache rows row .. row+B-1."""
         f = self.fuse(ctx_feats)                                                          # [B, n, D]
         B, n, _ = f.shape
-        pos = ctx_len + torch.arange(n, device=f.device).expand(B, n)                     # [B, n]
-        cos, sin = rope_cos_sin(self.inv_freq, self.rope_amp, pos, f.dtype)
+        if ctx_len + n > self.max_ctx_len:
+            raise ValueError(f"drafter context overflow: ctx_len {ctx_len} + {n} rows > max_ctx_len {self.max_ctx_len}")
+        cos, sin = (t[None, ctx_len:ctx_len + n].expand(B, n, -1) for t in (self.rope_cos, self.rope_sin))  # [B, n, hd]
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(f, cos, sin)
             self.ctx_cache[i, 0, row:row + B, ctx_len:ctx_len + n] = k

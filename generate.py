@@ -204,11 +204,11 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
 
 
 def _ensure_draft_cache(drafter, batch: int, max_seq_len: int) -> None:
-    """The drafter cache holds the context plus one padded block of rows (fixed-shape steps write them);
-    reallocated only when too small, so captured graphs keep pointing at live buffers."""
+    """The drafter cache holds up to max_seq_len context rows (setup_cache adds the block's slots); reallocated
+    only when too small, so captured graphs keep pointing at live buffers."""
     c = getattr(drafter, "ctx_cache", None)
-    if c is None or c.shape[2] < batch or c.shape[3] < max_seq_len + drafter.block_size:
-        drafter.setup_cache(batch, max_seq_len + drafter.block_size)
+    if c is None or c.shape[2] < batch or drafter.max_ctx_len < max_seq_len:
+        drafter.setup_cache(batch, max_seq_len)
 
 
 def check_ranks_agree(tokens: list[int]) -> None:

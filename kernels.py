@@ -11,7 +11,9 @@ the DDTree search, plus the INT4 format helpers.
                         cache write, add + norm, SwiGLU, routing top-k, the MoE pair sort), one launch each
     router_topk         the fp32 router matmul (split over D, exact products for bf16 inputs) + routing, two launches
     rank_topk           the drafter's top tokens per depth, in the tree search's order, without sorting the vocabulary
-    ddtree_search       the DDTree best-first search (tree.py) in one launch
+    ddtree_search       the DDTree best-first search (tree.py) in one launch; tree_accept and commit_kv, verify's
+                        acceptance and KV commit in one launch each
+    qkv_norm_rope, block_attention   the DFlash drafter's layer middle: norms, rope, cache writes; its attention
     pack_int4 / unpack_int4 / dequant_int4_ref   the single source of truth for the INT4 bit order
 
 Invariant: every kernel == its *_ref twin. The twin has the same signature, is plain PyTorch, runs anywhere
@@ -1369,6 +1371,212 @@ def mla_latent_to_cache_ref(kv, weight, eps: float, cos, sin, cache, slots) -> N
     cache[:B].scatter_(1, slots[:, :, None].expand(B, T, C), latent.to(cache.dtype))
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The DFlash drafter's layer (draft.py). A drafter forward is the bigger half of a small model's speculative step: its
+# every op is a launch (~2 us in a CUDA graph), and per layer it had ~30 (H200, bundled pair: 96 PyTorch kernels per
+# draft against 58 for a whole target step). Two kernels take the middle of a layer: qkv_norm_rope (the q / k norms,
+# rope, and the context and block K/V written to the drafter's cache: ~10 ops) and block_attention (the block's
+# queries over the cached context and the block itself: ~8 ops, no mask tensor, no concatenation).
+
+
+@triton.jit
+def _norm_rope_head(src, w_ptr, cos, sin, HD: tl.constexpr, EPS: tl.constexpr, INTERLEAVED: tl.constexpr):
+    # one head's RMSNorm (weight w) then rope, rounded where rms_norm_ref and rope_ref round; the partner columns are
+    # loaded again rather than permuted in registers, and normalized with the same statistics
+    cols = tl.arange(0, HD)
+    pc = _partner(cols, HD, INTERLEAVED)
+    x = tl.load(src + cols)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / HD + EPS)
+    y = _scale(tl.load(w_ptr + cols), (xf * rstd).to(x.dtype), x.dtype)
+    yp = _scale(tl.load(w_ptr + pc), (tl.load(src + pc).to(tl.float32) * rstd).to(x.dtype), x.dtype)
+    return _rotate(y, yp, cos, sin)
+
+
+@triton.jit
+def _qkv_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr, v_ptr,
+                          T, Q0, H, KV, stride_row, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
+                          HD: tl.constexpr, EPS: tl.constexpr, INTERLEAVED: tl.constexpr):
+    # program (token n = (b, t), head j of the H q heads, KV k heads, KV v heads of qkv's row n)
+    n = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    b, t = n // T, n % T
+    src = qkv_ptr + n * stride_row + j * HD
+    cols = tl.arange(0, HD)
+    slot = tl.load(slots_ptr + n)
+    if j < H:                                            # a query head: only the block's rows (t >= Q0) want one
+        if t >= Q0:
+            y = _norm_rope_head(src, qw_ptr, tl.load(cos_ptr + n * HD + cols), tl.load(sin_ptr + n * HD + cols),
+                                HD, EPS, INTERLEAVED)
+            tl.store(q_ptr + ((b * (T - Q0) + t - Q0) * H + j) * HD + cols, y)
+    elif j < H + KV:                                     # a key head: normalized, rotated, into the cache
+        y = _norm_rope_head(src, kw_ptr, tl.load(cos_ptr + n * HD + cols), tl.load(sin_ptr + n * HD + cols),
+                            HD, EPS, INTERLEAVED)
+        tl.store(k_ptr + b * sk_b + slot * sk_s + (j - H) * sk_h + cols, y)
+    else:                                                # a value head: copied into the cache as it is
+        tl.store(v_ptr + b * sv_b + slot * sv_s + (j - H - KV) * sv_h + cols, tl.load(src + cols))
+
+
+def _check_qkv(qkv, n_heads, n_kv, q_weight, k_weight, cos, sin, k_cache, v_cache, slots, q_start):
+    B, T, W = qkv.shape
+    hd = q_weight.shape[0]
+    assert W == (n_heads + 2 * n_kv) * hd, f"qkv width {W}: want (n_heads {n_heads} + 2 n_kv {n_kv}) x head_dim {hd}"
+    assert k_weight.shape == (hd,), f"k_weight {tuple(k_weight.shape)}: want [{hd}]"
+    assert cos.shape == sin.shape == (B, T, hd), f"cos / sin {tuple(cos.shape)}: want [{B}, {T}, {hd}]"
+    for name, c in dict(k_cache=k_cache, v_cache=v_cache).items():
+        assert c.dim() == 4 and c.shape[0] >= B and c.shape[2:] == (n_kv, hd), \
+            f"{name} {tuple(c.shape)}: want [>= {B}, S, {n_kv}, {hd}]"
+    assert slots.shape == (B, T) and slots.dtype == torch.int64, f"slots: want int64 [{B}, {T}]"
+    assert 0 <= q_start <= T, f"q_start {q_start} outside [0, {T}]"
+
+
+def qkv_norm_rope(qkv, n_heads: int, n_kv: int, q_weight, k_weight, eps: float, cos, sin, k_cache, v_cache, slots,
+                  q_start: int, interleaved: bool = False) -> torch.Tensor:
+    """A drafter layer's fused q|k|v projection output qkv [B, T, (H + 2 KV) * hd] (rows may be strided) -> the
+    queries of rows t >= q_start, q_norm'ed and rotated, [B, T - q_start, H, hd] contiguous; every row's k_norm'ed,
+    rotated key and its value are written in place to k_cache / v_cache [Bmax, S, KV, hd] at (b, slots[b, t]).
+    cos / sin [B, T, hd] (rope_cos_sin, halves layout unless interleaved). One launch."""
+    assert HAS_TRITON, "triton is not installed; call qkv_norm_rope_ref"
+    _check_qkv(qkv, n_heads, n_kv, q_weight, k_weight, cos, sin, k_cache, v_cache, slots, q_start)
+    B, T, W = qkv.shape
+    hd = q_weight.shape[0]
+    assert hd >= 2 and hd & (hd - 1) == 0, f"head_dim {hd} must be a power of two (the reference takes any)"
+    assert qkv.dtype == q_weight.dtype == k_weight.dtype == cos.dtype == k_cache.dtype == v_cache.dtype, \
+        f"one dtype: qkv {qkv.dtype}, weights {q_weight.dtype}, cos {cos.dtype}, caches {k_cache.dtype}"
+    rows = qkv.reshape(B * T, W)               # a view for qkv contiguous or a row-strided one
+    assert rows.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous() and slots.is_contiguous(), \
+        "qkv: contiguous last dim; cos, sin, slots: contiguous"
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1, "k_cache / v_cache: contiguous head_dim"
+    q = torch.empty(B, T - q_start, n_heads, hd, dtype=qkv.dtype, device=qkv.device)        # [B, bs, H, hd]
+    if B * T:
+        _qkv_norm_rope_kernel[(B * T, n_heads + 2 * n_kv)](
+            rows, q_weight, k_weight, cos, sin, slots, q, k_cache, v_cache, T, q_start, n_heads, n_kv, rows.stride(0),
+            *k_cache.stride()[:3], *v_cache.stride()[:3], HD=hd, EPS=float(eps), INTERLEAVED=interleaved,
+            num_warps=1)
+    return q
+
+
+def qkv_norm_rope_ref(qkv, n_heads: int, n_kv: int, q_weight, k_weight, eps: float, cos, sin, k_cache, v_cache,
+                      slots, q_start: int, interleaved: bool = False) -> torch.Tensor:
+    _check_qkv(qkv, n_heads, n_kv, q_weight, k_weight, cos, sin, k_cache, v_cache, slots, q_start)
+    B = qkv.shape[0]
+    q, k, v = qkv.unflatten(-1, (n_heads + 2 * n_kv, -1)).split([n_heads, n_kv, n_kv], dim=2)  # [B, T, heads, hd]
+    rows = torch.arange(B, device=qkv.device)[:, None]                                          # [B, 1]
+    k_cache[rows, slots] = rope_ref(rms_norm_ref(k, k_weight, eps), cos, sin, interleaved)
+    v_cache[rows, slots] = v
+    return rope_ref(rms_norm_ref(q[:, q_start:], q_weight, eps), cos[:, q_start:], sin[:, q_start:], interleaved)
+
+
+@triton.jit
+def _block_attn_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, o_ptr, lse_ptr, out_ptr, sm_scale, T, H, NUM_SPLITS,
+                       sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
+                       G: tl.constexpr, HD: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       BLOCK_S: tl.constexpr, DIRECT: tl.constexpr):
+    # grid (q block, split, b * KV + kv head). The query rows of kv head c are r = t * G + g (head h = c * G + g): the
+    # G heads that share it, for all T block tokens, so each K/V tile is loaded once for all of them. Keys s < L =
+    # prefix + T are visible (the context, then the block). The splits are _mla_split_kernel's; so are the partial
+    # outputs (rows t * H + h), which _mla_merge_kernel merges. DIRECT (one split): the normalized output is final.
+    KV = H // G
+    b = tl.program_id(2) // KV
+    c = tl.program_id(2) % KV
+    split = tl.program_id(1)
+    L = tl.load(prefix_ptr + b).to(tl.int32) + T
+    split_len = _split_len(L, NUM_SPLITS, MIN_SPLIT, BLOCK_S)
+    s_start = split * split_len
+    if s_start >= L:
+        return
+    s_end = tl.minimum(s_start + split_len, L)
+    r = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    row_mask = r < T * G
+    out_row = (r // G) * H + c * G + r % G                                      # t * H + h
+    d = tl.arange(0, HD)
+    q = tl.load(q_ptr + (b * T * H + out_row)[:, None].to(tl.int64) * HD + d[None, :], mask=row_mask[:, None],
+                other=0.0)
+    m_i = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_Q, HD), dtype=tl.float32)
+    k_b = k_ptr + b.to(tl.int64) * sk_b + c * sk_h
+    v_b = v_ptr + b.to(tl.int64) * sv_b + c * sv_h
+    for s0 in range(s_start, s_end, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = s < s_end
+        k = tl.load(k_b + s[:, None] * sk_s + d[None, :], mask=s_mask[:, None], other=0.0)       # [BS, HD]
+        v = tl.load(v_b + s[:, None] * sv_s + d[None, :], mask=s_mask[:, None], other=0.0)
+        scores = (tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale).to(tl.float32)   # fp32: see _mla_split
+        scores = tl.where(s_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))                 # every split has a key, so m_new is finite
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+        m_i = m_new
+    o = acc / l_i[:, None]
+    if DIRECT:
+        tl.store(out_ptr + (b * T * H + out_row)[:, None].to(tl.int64) * HD + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        part = (b * NUM_SPLITS + split) * T * H + out_row
+        tl.store(o_ptr + part[:, None].to(tl.int64) * HD + d[None, :], o, mask=row_mask[:, None])
+        tl.store(lse_ptr + part, m_i + tl.log(l_i), mask=row_mask)
+
+
+# One split up to min_split_len cache slots, so the bundled drafter's attention (a few hundred slots) is one launch
+# with no merge; longer caches (the K2.6 drafter at 4k-32k) split for ~`waves` waves like the target's attention.
+DRAFT_ATTN = dict(BLOCK_Q=16, BLOCK_S=64, num_warps=4, min_split_len=512, max_splits=128, waves=1)
+
+
+def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=None) -> torch.Tensor:
+    """The DFlash block's attention: q [B, T, H, hd] (the T block tokens' queries, contiguous), k_cache / v_cache
+    [B, S, KV, hd] (any row strides, head_dim contiguous; GQA: query head h reads kv head h // (H / KV)); row b
+    sees its keys s < prefix_len[b] + T, the context then the block itself, with no mask. -> [B, T, H, hd]."""
+    assert HAS_TRITON, "triton is not installed; call block_attention_ref"
+    B, T, H, hd = q.shape
+    S, KV = k_cache.shape[1], k_cache.shape[2]
+    assert k_cache.shape == v_cache.shape == (B, S, KV, hd), f"k/v_cache {tuple(k_cache.shape)}: want [{B}, S, KV, {hd}]"
+    assert H % KV == 0, f"{H} query heads do not share {KV} kv heads evenly"
+    assert hd >= 16 and hd & (hd - 1) == 0, f"head_dim {hd} must be a power of two >= 16 (tl.dot)"
+    assert q.is_contiguous() and k_cache.stride(-1) == v_cache.stride(-1) == 1, "q contiguous; caches: contiguous hd"
+    assert prefix_len.shape == (B,) and prefix_len.dtype == torch.int64, "prefix_len: want int64 [B]"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, f"dtypes differ: {q.dtype} {k_cache.dtype} {v_cache.dtype}"
+    out = torch.empty_like(q) if out is None else out
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous(), "out: like q, contiguous"
+    cfg, G = DRAFT_ATTN, H // KV
+    n_qblocks = triton.cdiv(T * G, cfg["BLOCK_Q"])
+    num_splits = max(1, min(cfg["max_splits"], triton.cdiv(S, cfg["min_split_len"]),
+                            triton.cdiv(int(cfg["waves"] * _sm_count(q.device)), B * KV * n_qblocks)))
+    MIN_SPLIT, BLOCK_S = cfg["min_split_len"], cfg["BLOCK_S"]
+    o_part, lse_part = out, out                          # one split: the kernel writes out directly, no partials
+    if num_splits > 1:
+        o_part = _empty((B, num_splits, T * H, hd), torch.float32, q.device)
+        lse_part = _empty((B, num_splits, T * H), torch.float32, q.device)
+    _block_attn_kernel[(n_qblocks, num_splits, B * KV)](
+        q, k_cache, v_cache, prefix_len, o_part, lse_part, out, softmax_scale, T, H, num_splits,
+        *k_cache.stride()[:3], *v_cache.stride()[:3], G=G, HD=hd, MIN_SPLIT=MIN_SPLIT, BLOCK_Q=cfg["BLOCK_Q"],
+        BLOCK_S=BLOCK_S, DIRECT=num_splits == 1, num_warps=cfg["num_warps"])
+    if num_splits > 1:
+        SPLITS = triton.next_power_of_2(num_splits)
+        BLOCK_R = min(hd, max(16, 1 << (ATTN_MERGE["elements"] // SPLITS).bit_length() - 1))
+        _mla_merge_kernel[(B, T * H, hd // BLOCK_R)](
+            o_part, lse_part, prefix_len, out, T, H, num_splits, R=hd, MIN_SPLIT=MIN_SPLIT, BLOCK_S=BLOCK_S,
+            SPLITS=SPLITS, BLOCK_R=BLOCK_R, num_warps=ATTN_MERGE["num_warps"])
+    return out
+
+
+def block_attention_ref(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=None) -> torch.Tensor:
+    """softmax(q k^T * scale) v as two matmuls, the G = H / KV query heads of a kv head stacked as the rows of one
+    matmul, scores in the input dtype (transformers' eager attention rounds so). Why not
+    F.scaled_dot_product_attention: with a mask and 8 query rows per head it picked cuDNN, which spread that little
+    work over few blocks (H200, bf16: 94.8 vs 19.6 us at the K2.6 drafter's TP8 shapes and 4096 slots)."""
+    B, T, H, hd = q.shape
+    S, KV = k_cache.shape[1], k_cache.shape[2]
+    qg = q.transpose(1, 2).reshape(B, KV, H // KV * T, hd)                               # [B, KV, G*T, hd]
+    s = torch.matmul(qg, k_cache.transpose(1, 2).transpose(-1, -2)) * softmax_scale      # [B, KV, G*T, S]
+    visible = torch.arange(S, device=q.device) < (prefix_len + T)[:, None]             # [B, S]
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    o = torch.matmul(s.softmax(-1), v_cache.transpose(1, 2)).view(B, H, T, hd).transpose(1, 2)   # [B, T, H, hd]
+    return o if out is None else out.copy_(o)
+
+
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr):
     # program (row, column block); g and u may be row-strided views, e.g. the two halves of one gate/up GEMM's output
@@ -1707,6 +1915,84 @@ def ddtree_search(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budg
         NODES=triton.next_power_of_2(N), PARENTS=triton.next_power_of_2(B), SLOTS=triton.next_power_of_2(2 * B),
         num_warps=1)
     return tokens, parents, depths, scores, valid, mask, (bits if N <= MASK_WORD_BITS else None)
+
+
+@triton.jit
+def _tree_accept_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, bits_ptr, target_ptr, accepted_ptr, len_ptr, bonus_ptr,
+                        N, BLOCK: tl.constexpr):
+    # program b: one tree of N <= 64 nodes. Node i matches when its token is the target's token at its parent; i is on
+    # the accepted path when every node of its root-to-i path below the root matches: its mask word (its ancestors
+    # and itself) has no bit outside the matching nodes, bit 0 (the root, always committed) aside.
+    row = tl.program_id(0).to(tl.int64) * N
+    i = tl.arange(0, BLOCK)
+    m = i < N
+    tok = tl.load(tok_ptr + row + i, mask=m, other=0)
+    parent = tl.maximum(tl.load(par_ptr + row + i, mask=m, other=0), 0)
+    match = (tok == tl.load(target_ptr + row + parent, mask=m, other=0)) & (tl.load(valid_ptr + row + i, mask=m,
+                                                                                      other=0) != 0) & m
+    # the matching nodes as one word (disjoint bits: the sum is their OR, node 63 wraps into the sign bit)
+    match_bits = tl.sum(tl.where(match, tl.full([BLOCK], 1, tl.int64) << i.to(tl.int64), 0), 0) | 1
+    ok = ((tl.load(bits_ptr + row + i, mask=m, other=0) & (match_bits ^ -1)) == 0) & m
+    depth = tl.load(dep_ptr + row + i, mask=m, other=0)
+    accept_len = tl.sum(ok.to(tl.int64), 0)
+    deepest = tl.argmax(tl.where(ok, depth, -1), 0)     # the ok nodes form one chain: their depths are distinct
+    # accepted[d] = the path's node at depth d, for d < accept_len; the deepest node after that
+    on_d = ok[None, :] & (depth[None, :] == i[:, None])                                         # [depth d, node j]
+    node = tl.sum(tl.where(on_d, i[None, :], 0), 1)
+    tl.store(accepted_ptr + row + i, tl.where(i < accept_len, node, deepest).to(tl.int64), mask=m)
+    tl.store(len_ptr + tl.program_id(0), accept_len)
+    tl.store(bonus_ptr + tl.program_id(0), tl.load(target_ptr + row + deepest))
+
+
+def tree_accept(tokens, parents, depths, valid, mask_bits, target_tokens) -> tuple:
+    """verify.accept_ref in one launch, for trees with packed mask rows (ddtree_search's, N <= 64): the tree's
+    tokens / parents / depths [B, N] int64, valid [B, N] bool, mask_bits [B, N] int64, the target's token after
+    each node target_tokens [B, N] int64 -> (accepted [B, N], accept_len [B], bonus [B]), the same values."""
+    assert HAS_TRITON, "triton is not installed; call verify.accept_ref"
+    B, N = tokens.shape
+    assert N <= MASK_WORD_BITS, f"one mask word per node: N={N} > {MASK_WORD_BITS}"
+    for name, t in dict(tokens=tokens, parents=parents, depths=depths, mask_bits=mask_bits,
+                        target_tokens=target_tokens).items():
+        assert t.shape == (B, N) and t.dtype == torch.int64 and t.is_contiguous(), f"{name}: contiguous int64 [{B}, {N}]"
+    assert valid.shape == (B, N) and valid.dtype == torch.bool and valid.is_contiguous(), f"valid: bool [{B}, {N}]"
+    accepted = torch.empty(B, N, dtype=torch.long, device=tokens.device)
+    accept_len, bonus = torch.empty(2, B, dtype=torch.long, device=tokens.device)
+    _tree_accept_kernel[(B,)](tokens, parents, depths, valid.view(torch.int8), mask_bits, target_tokens, accepted,
+                              accept_len, bonus, N, BLOCK=max(16, triton.next_power_of_2(N)), num_warps=2)
+    return accepted, accept_len, bonus
+
+
+@triton.jit
+def _commit_kv_kernel(cache_ptr, start_ptr, accepted_ptr, len_ptr, N, C, stride_l, stride_b, stride_s,
+                      BLOCK_C: tl.constexpr):
+    # program (layer, b): the path's rows to slots start + j, j ascending. Safe in place: the row read for slot j is
+    # slot start + accepted[j] >= start + j (a node's index is at least its depth), so a slot is read (by some j' <= j)
+    # before it is overwritten. Slots where accepted[j] == j stay: a contiguous path moves nothing.
+    layer = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    base = cache_ptr + layer * stride_l + b * stride_b + tl.load(start_ptr + b) * stride_s
+    n = tl.load(len_ptr + b)
+    for j in range(1, N):                    # node 0 (the root) is already at slot start
+        src = tl.load(accepted_ptr + b * N + j)
+        if (j < n) & (src != j):
+            for c0 in range(0, C, BLOCK_C):
+                c = c0 + tl.arange(0, BLOCK_C)
+                row = tl.load(base + src * stride_s + c, mask=c < C)
+                tl.store(base + j * stride_s + c, row, mask=c < C)
+
+
+def commit_kv(kv_cache: torch.Tensor, start: torch.Tensor, accepted: torch.Tensor, accept_len: torch.Tensor) -> None:
+    """verify.commit_kv_ref in one launch: every layer's accepted-path rows kv_cache[layer, b, start[b] + accepted[b, j]]
+    -> slot start[b] + j for j < accept_len[b]. kv_cache [n_layers, Bmax, S, C] (contiguous rows), start [B] int64,
+    accepted [B, N] int64, accept_len [B] int64. Reads and writes only the rows that move."""
+    assert HAS_TRITON, "triton is not installed; call verify.commit_kv_ref"
+    B, N = accepted.shape
+    L_, Bmax, S, C = kv_cache.shape
+    assert Bmax >= B and kv_cache.stride(-1) == 1, f"kv_cache {tuple(kv_cache.shape)}: [n_layers, >= {B}, S, C], rows contiguous"
+    for name, t, shape in (("start", start, (B,)), ("accepted", accepted, (B, N)), ("accept_len", accept_len, (B,))):
+        assert t.shape == shape and t.dtype == torch.int64 and t.is_contiguous(), f"{name}: contiguous int64 {list(shape)}"
+    _commit_kv_kernel[(L_, B)](kv_cache, start, accepted, accept_len, N, C, *kv_cache.stride()[:3],
+                               BLOCK_C=min(1024, triton.next_power_of_2(C)), num_warps=4)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -350,11 +350,13 @@ def share_rows(*linears: Linear) -> torch.Tensor:
     return w
 
 
-def linear_rows(x: torch.Tensor, w: torch.Tensor, *linears: Linear) -> tuple[torch.Tensor, ...]:
-    """Each Linear's output, from one GEMM over their shared weight w (see share_rows). When autograd wants the
-    parameters' gradients (train.py), each Linear runs on its own: w is not part of the autograd graph."""
+def linear_rows(x: torch.Tensor, w: torch.Tensor, *linears: Linear, split: bool = True):
+    """Each Linear's output, from one GEMM over their shared weight w (see share_rows); split=False: the one
+    [..., sum of out] output. When autograd wants the parameters' gradients (train.py), each Linear runs on its own:
+    w is not part of the autograd graph."""
     if torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in linears):
-        return tuple(lin(x) for lin in linears)
+        ys = tuple(lin(x) for lin in linears)
+        return ys if split else torch.cat(ys, dim=-1)
     if not torch.compiler.is_compiling():
         row_bytes, row = w.stride(0) * w.element_size(), 0
         for lin in linears:            # pointer arithmetic, not w[row]: no view made per call on the eager hot path
@@ -362,7 +364,8 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, *linears: Linear) -> tuple[tor
                 raise RuntimeError("a Linear's weight no longer lives in its share_rows tensor (a parameter was "
                                    "replaced, e.g. by load_state_dict(assign=True)): load in place instead")
             row += lin.weight.shape[0]
-    return F.linear(x, w).split([lin.weight.shape[0] for lin in linears], dim=-1)
+    y = F.linear(x, w)
+    return y.split([lin.weight.shape[0] for lin in linears], dim=-1) if split else y
 
 
 def fused(device) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from tree import Tree
 
 
@@ -58,7 +59,17 @@ def accept(tree: Tree, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch
     Returns accepted [B, N] (node indices of the path in depth order, root first; entries past accept_len
     repeat the last node), accept_len [B] (nodes on the path incl. the root = tokens committed this step,
     counting the bonus), bonus [B] (the target's token after the deepest accepted node).
+    On a GPU, for the search kernel's trees (packed mask rows), one launch (kernels.tree_accept) instead of
+    accept_ref's ~17 ops; the same values.
     """
+    if tree.mask_bits is not None and kernels.use_triton(target_tokens.device) and not torch.compiler.is_compiling():
+        return kernels.tree_accept(tree.tokens, tree.parents, tree.depths, tree.valid, tree.mask_bits,
+                                   target_tokens.contiguous())
+    return accept_ref(tree, target_tokens)
+
+
+def accept_ref(tree: Tree, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """accept in tensor ops (kernels.tree_accept's twin; any tree, any device)."""
     B, N = tree.tokens.shape
     parent_target = target_tokens.gather(1, tree.parents.clamp(min=0))                       # [B, N]
     match = (tree.tokens == parent_target) & tree.valid                                      # [B, N]
@@ -82,8 +93,19 @@ def commit_kv(kv_cache: torch.Tensor, start_pos: torch.Tensor | int, accepted: t
     every layer at once. kv_cache [n_layers, Bmax, S, C]; accepted [B, N]; accept_len [B].
 
     Valid without recompute: the path's nodes sat at positions start + depth = exactly the slots they move
-    to, and each saw only its ancestors, i.e. causal attention along the path. Fixed shapes: slots past
-    accept_len copy onto themselves, so the same kernel serves every tree and can be graph-captured."""
+    to, and each saw only its ancestors, i.e. causal attention along the path. On a GPU one launch that
+    moves only those rows (kernels.commit_kv); elsewhere commit_kv_ref."""
+    if isinstance(start_pos, torch.Tensor) and kernels.use_triton(kv_cache.device) \
+            and not torch.compiler.is_compiling():
+        start = start_pos.reshape(-1).expand(accepted.shape[0]).contiguous()                  # [B]
+        return kernels.commit_kv(kv_cache, start, accepted.contiguous(), accept_len.contiguous())
+    commit_kv_ref(kv_cache, start_pos, accepted, accept_len)
+
+
+def commit_kv_ref(kv_cache: torch.Tensor, start_pos: torch.Tensor | int, accepted: torch.Tensor,
+                  accept_len: torch.Tensor) -> None:
+    """commit_kv in tensor ops. Fixed shapes: slots past accept_len copy onto themselves, so the same ops serve
+    every tree and can be graph-captured."""
     B, N = accepted.shape
     start = torch.as_tensor(start_pos, device=accepted.device).view(-1, 1).expand(B, 1)     # [B, 1]
     j = torch.arange(N, device=accepted.device)                                              # [N]

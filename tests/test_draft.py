@@ -143,6 +143,34 @@ def test_per_row_ctx_len_and_stale_slots(tmp_path, target):
     assert err(got[0], ref0[0]) <= TOL and err(got[1], ref1[0]) <= TOL
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the drafter's Triton path runs on a GPU; its kernels alone "
+                    "run everywhere (tests/test_kernels.py, under the interpreter on a CPU)")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def test_gpu_kernel_path_matches_equations(tmp_path, target, dtype, tol):
+    """head_dim 32, so the forward takes kernels.qkv_norm_rope and kernels.block_attention: a prompt, then rounds the
+    way a fixed-shape step calls it (per-row cache lengths, bs context rows of which only n_valid are real, the
+    padding rows garbage), each row against the equations."""
+    cfg, W = make_ckpt(tmp_path, target.args, head_dim=32)
+    B, D, bs, n_taps = 2, cfg["hidden_size"], cfg["block_size"], len(cfg["dflash_config"]["target_layer_ids"])
+    d = Dr.load_drafter(str(tmp_path), target.args, device="cuda", dtype=dtype)
+    d.setup_cache(B, 64)
+    assert d.layers[0].self_attn.kernels_fit
+    feats = randn(B, 20, n_taps * D, seed=2)
+    d(randn(B, bs, D, seed=3).to("cuda", dtype), feats[:, :9].to("cuda", dtype), 0)
+    ctx = [9, 9]
+    for r, n_valid in enumerate([[3, 1], [4, 2], [1, 4]]):
+        padded = randn(B, bs, n_taps * D, seed=20 + r) * 100                      # the padding rows: garbage
+        for b in range(B):
+            padded[b, :n_valid[b]] = feats[b, ctx[b]:ctx[b] + n_valid[b]]
+        blk = randn(B, bs, D, seed=10 + r)
+        got = d(blk.to("cuda", dtype), padded.to("cuda", dtype), torch.tensor(ctx, device="cuda"),
+                n_valid=torch.tensor(n_valid, device="cuda")).float().cpu()
+        for b in range(B):
+            ref = ref_drafter(W, cfg, blk[b:b + 1], feats[b:b + 1, :ctx[b] + n_valid[b]])[0]
+            assert err(got[b], ref) <= tol * ref.abs().max(), f"round {r} row {b}: {err(got[b], ref):.2e}"
+            ctx[b] += n_valid[b]
+
+
 def test_draft_logits_with_target_features(tmp_path, target):
     cfg, W = make_ckpt(tmp_path, target.args)
     d = loaded(tmp_path, target.args)

@@ -24,7 +24,7 @@ def _pair(tmp_path, dtype):
         with torch.device("cuda"):
             target = M.Transformer(M.ModelArgs.from_config(tmp_path))
         M.load_checkpoint(target, str(tmp_path))
-        d = D.DFlashDrafter(D.DraftArgs.from_config(D.tiny_draft_config(ref.args))).cuda()
+        d = D.DFlashDrafter(D.DraftArgs.from_config(D.tiny_draft_config(ref.args, head_dim=32))).cuda()   # its kernels' sizes
     finally:
         torch.set_default_dtype(torch.float32)
     tiny.randomize_(d, seed=5, std=0.3)

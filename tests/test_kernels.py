@@ -390,6 +390,68 @@ def test_mla_latent_to_cache_kernel(B, T, dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("B, n_ctx, interleaved", [(1, 0, False), (2, 3, False), (2, 8, True)])
+def test_qkv_norm_rope_kernel(B, n_ctx, interleaved, dtype):
+    """The drafter's q|k|v glue: the block's queries (normed, rotated) come back; every row's key (normed, rotated) and
+    value land at its cache slot (padding rows parked past the block included); nothing else in the caches moves."""
+    g = torch.Generator().manual_seed(B * 10 + n_ctx)
+    H, KV, hd, bs, S = 4, 2, 32, 8, 40
+    rnd = lambda *shape: (torch.randn(*shape, generator=g) * 2).to(dtype).to(KERNEL_DEVICE)
+    T = n_ctx + bs
+    qkv = rnd(B, T, (H + 2 * KV) * hd + 16)[..., 16:]        # row-strided, like a slice of a wider GEMM output
+    cos, sin, qw, kw = rnd(B, T, hd), rnd(B, T, hd), rnd(hd), rnd(hd)
+    slots = torch.stack([torch.randperm(S, generator=g)[:T] for _ in range(B)]).to(KERNEL_DEVICE)    # [B, T] distinct
+    cache = rnd(2, B + 1, S, KV, hd)                                     # K and V, a spare batch row too
+    ref_cache = cache.clone()
+    q = kernels.qkv_norm_rope(qkv, H, KV, qw, kw, 1e-6, cos, sin, cache[0], cache[1], slots, n_ctx, interleaved)
+    q_ref = kernels.qkv_norm_rope_ref(qkv, H, KV, qw, kw, 1e-6, cos, sin, ref_cache[0], ref_cache[1], slots, n_ctx,
+                                      interleaved)
+    assert q.shape == (B, bs, H, hd) and q.is_contiguous()
+    assert_close(q, q_ref, TOL[dtype], f"q B={B} n_ctx={n_ctx} {dtype}")
+    assert_close(cache, ref_cache, TOL[dtype], f"k/v cache B={B} n_ctx={n_ctx} {dtype}")
+    assert torch.equal(cache[1], ref_cache[1]), "values are copied, not rounded"
+    written = torch.zeros(B + 1, S, dtype=torch.bool)
+    written[torch.arange(B)[:, None], slots.cpu()] = True
+    untouched = ~written.to(KERNEL_DEVICE)
+    assert torch.equal(cache[:, untouched], ref_cache[:, untouched]), "slots nobody writes changed"
+
+
+BLOCK_ATTN_CASES = [  # B, T (block), H, KV, prefixes, tiles (small: several splits and the merge)
+    (1, 8, 4, 2, [0], "default"),            # only the block itself is visible
+    (2, 8, 4, 2, [5, 300], "default"),       # one split: the output is written directly
+    (2, 8, 4, 2, [5, 300], "small"),         # several splits (row 0 fills only the first), merged
+    (1, 4, 8, 1, [77], "small"),             # 8 query heads on one kv head (the K2.6 drafter at TP8), 32 rows
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("B, T, H, KV, prefixes, tiles", BLOCK_ATTN_CASES)
+def test_block_attention_kernel(B, T, H, KV, prefixes, tiles, dtype, monkeypatch):
+    monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
+    if tiles == "small":
+        monkeypatch.setattr(kernels, "DRAFT_ATTN", dict(kernels.DRAFT_ATTN, BLOCK_S=16, min_split_len=32, waves=64))
+        monkeypatch.setattr(kernels, "ATTN_MERGE", dict(elements=256, num_warps=1))   # 16 columns: two blocks
+    g = torch.Generator().manual_seed(B + T + H)
+    hd, S = 32, 320
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(KERNEL_DEVICE)
+    q = rnd(B, T, H, hd)
+    cache = rnd(3, 2, B + 1, S + 16, KV, hd)             # [layers, K/V, Bmax, slots, KV, hd], like the drafter's
+    k, v = cache[1, 0, :B, :S], cache[1, 1, :B, :S]       # strided views of one layer's rows
+    prefix = torch.tensor(prefixes, device=KERNEL_DEVICE)
+    out = torch.full_like(q, float("nan"))
+    assert kernels.block_attention(q, k, v, prefix, hd ** -0.5, out=out) is out
+    ref = kernels.block_attention_ref(q.float(), k.float(), v.float(), prefix, hd ** -0.5)
+    assert_close(out, ref, TOL[dtype], f"block attention B={B} T={T} H={H} KV={KV} {prefixes} {tiles} {dtype}")
+    # keys past prefix + T are invisible: changing them changes nothing
+    k2 = k.clone()
+    for b, p in enumerate(prefixes):
+        k2[b, p + T:] = 100.0
+    assert torch.equal(kernels.block_attention(q, k2, v, prefix, hd ** -0.5), out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 def test_silu_mul_kernel(dtype):
     g = torch.Generator().manual_seed(0)
     a, b = [(torch.randn(3, 1500, generator=g) * 4).to(dtype).to(KERNEL_DEVICE) for _ in range(2)]
@@ -527,6 +589,64 @@ def test_ddtree_search_kernel(B):
         V, bsz, kind = vocabs[n % len(vocabs)], [1, 3][n % 2], kinds[(n // 2) % len(kinds)]
         check_tree(tree_logits(g, bsz, L, V, kind), torch.randint(0, V, (bsz,), generator=g), B,
                    f"B={B} L={L} V={V} b={bsz} {kind}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("B", [1, 8, 63])
+def test_tree_accept_kernel(B):
+    """kernels.tree_accept == verify.accept_ref on search trees (padding tails with a tiny vocabulary; at B = 63 node
+    63's mask bit is the sign bit) against target tokens that follow a random root-to-node path part of the way,
+    so every accept length shows up, plus fully random targets."""
+    import verify as V
+    g = torch.Generator().manual_seed(B)
+    for V_, L, kind in [(1000, 7, "gauss"), (3, 4, "peaked"), (50, 15, "rounded")]:
+        bsz = 4
+        tr = T.build_tree_ops(tree_logits(g, bsz, L, V_, kind), torch.randint(0, V_, (bsz,), generator=g), B)
+        N = B + 1
+        target = torch.randint(0, V_, (bsz, N), generator=g)                         # [bsz, N]
+        for b in range(bsz - 1):                  # rows 0..2: the target agrees along a path for `stop` nodes
+            node = int(torch.randint(0, N, (1,), generator=g)) if b else int(tr.valid[b].nonzero().max())
+            path = [node]
+            while tr.parents[b, path[-1]] >= 0:
+                path.append(int(tr.parents[b, path[-1]]))
+            path = path[::-1]                     # root .. node
+            stop = int(torch.randint(0, len(path), (1,), generator=g)) if b else len(path) - 1   # row 0: all of it
+            for parent, child in zip(path[:stop], path[1:stop + 1]):
+                target[b, parent] = tr.tokens[b, child]
+        want = V.accept_ref(tr, target)
+        dev = lambda t: t.to(KERNEL_DEVICE)
+        got = kernels.tree_accept(dev(tr.tokens), dev(tr.parents), dev(tr.depths), dev(tr.valid),
+                                  dev(kernels.tree_mask_bits(tr.ancestor_mask)), dev(target))
+        for name, a, b in zip(["accepted", "accept_len", "bonus"], got, want):
+            assert torch.equal(a.cpu(), b), f"{name} differs, B={B} V={V_} {kind}\n{a}\n{b}"
+        assert want[1][0] > 1, "row 0 accepts its whole planted path"
+
+
+@needs_kernels
+@pytest.mark.parametrize("N, C", [(9, 48), (65, 576), (64, 1300)])
+def test_commit_kv_kernel(N, C):
+    """kernels.commit_kv == verify.commit_kv_ref: a path that moves rows onto slots other rows are still read from
+    (node indices strictly increase along a path), contiguous paths (all N nodes; 3), a finished row (accept_len 0),
+    rows longer than one column block."""
+    import verify as V
+    g = torch.Generator().manual_seed(N)
+    B, S = 4, 200
+    starts = torch.tensor([3, 50, 0, 120])
+    lens = torch.tensor([N, int(torch.randint(2, N, (1,), generator=g)), 3, 0])
+    acc = torch.zeros(B, N, dtype=torch.long)
+    for b in range(B):
+        n = max(int(lens[b]), 1)
+        nodes = torch.randperm(N - 1, generator=g)[:n - 1].sort().values + 1 if b != 2 else torch.arange(1, n)
+        path = torch.cat([torch.zeros(1, dtype=torch.long), nodes])
+        acc[b] = torch.cat([path, path[-1:].expand(N - n)])
+    cache = torch.randn(3, B + 1, S, C, generator=g).to(KERNEL_DEVICE)
+    before, want = cache.clone(), cache.clone()
+    V.commit_kv_ref(want, starts.to(KERNEL_DEVICE), acc.to(KERNEL_DEVICE), lens.to(KERNEL_DEVICE))
+    kernels.commit_kv(cache, starts.to(KERNEL_DEVICE), acc.to(KERNEL_DEVICE), lens.to(KERNEL_DEVICE))
+    assert torch.equal(cache, want)
+    assert not torch.equal(want[:, 1], before[:, 1]), "row 1's path moves rows"
+    for b in (0, 2, 3):   # N nodes in order, 3 in order, a finished row: nothing moves
+        assert torch.equal(want[:, b], before[:, b])
 
 
 @needs_kernels
@@ -714,7 +834,9 @@ def test_mla_wgmma_kernel_compiles_for_hopper():
 def test_kernels_under_triton_interpreter():
     names = ["fused_moe_kernel", "fused_moe_repeated_expert", "mla_tree_attention_kernel", "moe_prep_f16_packing", "rms_norm_kernel",
              "rope_kernel", "add_rms_norm_kernel", "mla_latent_to_cache_kernel", "silu_mul_kernel",
-             "moe_topk_kernel", "router_topk_kernel", "rank_topk_kernel", "moe_sort", "ddtree_search_kernel", "ddtree_search_exact_ties",
+             "qkv_norm_rope_kernel", "block_attention_kernel",
+             "moe_topk_kernel", "router_topk_kernel", "rank_topk_kernel", "moe_sort", "ddtree_search_kernel", "ddtree_search_exact_ties", "tree_accept_kernel",
+             "commit_kv_kernel",
              "ddtree_search_vs_heap_reference"]
     tests = [f"{__file__}::test_{name}" for name in names]
     env = dict(os.environ, TRITON_INTERPRET="1")
