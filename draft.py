@@ -12,9 +12,10 @@ no lm_head of its own. Positions: context row j sits at position j, the block at
 
 Invariant: the per-layer context K/V cache filled incrementally (each round appends only the features
 of the tokens committed last round, at slots ctx_len..) equals recomputing it from all context
-features at once; block K/V are never stored. The drafter never sees rejected branches: the caller
-passes features of accepted tokens only, and a row's stale slots >= ctx_len are overwritten before
-they become visible.
+features at once. The block's own K/V pass through the slots right after the context (one cache, one
+attention over it, no concatenation) and are overwritten by the next round's context rows. The drafter
+never sees rejected branches: the caller passes features of accepted tokens only, and a row's stale slots
+>= ctx_len are overwritten before they become visible.
 
 Tensor parallel (torchrun), like the target: each rank holds 1/world_size of the drafter's heads, of its
 intermediate rows and of fc's input columns, and only its own kv heads in the context cache. Replicating it

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kernels
 import model as M
 import tree as T
 import verify as V
@@ -135,6 +136,9 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
     t_decode = clock.t
     done = emit([int(bonus)])
     n_nodes = budget + 1 if not chain else (drafter.block_size if speculative else 1)
+    if "graph" in mode and kernels.FORCE_REF:
+        raise ValueError("--cuda-graph with --no-triton: the reference MoE picks its experts on the host "
+                         "(unique().tolist()), which a CUDA graph cannot capture; drop one of the two flags")
     if mode != "eager":
         runner = StaticStep.get(model, drafter if speculative else None, budget, chain, temperature, top_k, top_p,
                                 graph="graph" in mode, compile="compile" in mode)
@@ -463,7 +467,6 @@ def _main(args: argparse.Namespace) -> int:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[
         args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if args.no_triton:
-        import kernels
         kernels.FORCE_REF = True
     from tokenizer import Tokenizer
     tok_dir = args.tokenizer or args.ckpt

@@ -1563,17 +1563,18 @@ def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=N
 
 
 def block_attention_ref(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=None) -> torch.Tensor:
-    """softmax(q k^T * scale) v as two matmuls, the G = H / KV query heads of a kv head stacked as the rows of one
-    matmul, scores in the input dtype (transformers' eager attention rounds so). Why not
+    """softmax(q k^T * scale) v in fp32 (as the kernel, and flash attention, compute it), cast back to q's dtype: two
+    matmuls, the G = H / KV query heads of a kv head stacked as the rows of one. Why not
     F.scaled_dot_product_attention: with a mask and 8 query rows per head it picked cuDNN, which spread that little
     work over few blocks (H200, bf16: 94.8 vs 19.6 us at the K2.6 drafter's TP8 shapes and 4096 slots)."""
     B, T, H, hd = q.shape
     S, KV = k_cache.shape[1], k_cache.shape[2]
-    qg = q.transpose(1, 2).reshape(B, KV, H // KV * T, hd)                               # [B, KV, G*T, hd]
-    s = torch.matmul(qg, k_cache.transpose(1, 2).transpose(-1, -2)) * softmax_scale      # [B, KV, G*T, S]
+    qg = q.float().transpose(1, 2).reshape(B, KV, H // KV * T, hd)                       # [B, KV, G*T, hd]
+    s = torch.matmul(qg, k_cache.float().transpose(1, 2).transpose(-1, -2)) * softmax_scale   # [B, KV, G*T, S]
     visible = torch.arange(S, device=q.device) < (prefix_len + T)[:, None]             # [B, S]
     s = s.masked_fill(~visible[:, None, None], float("-inf"))
-    o = torch.matmul(s.softmax(-1), v_cache.transpose(1, 2)).view(B, H, T, hd).transpose(1, 2)   # [B, T, H, hd]
+    o = torch.matmul(s.softmax(-1), v_cache.float().transpose(1, 2)).view(B, H, T, hd).transpose(1, 2)
+    o = o.to(q.dtype)                                                                   # [B, T, H, hd]
     return o if out is None else out.copy_(o)
 
 

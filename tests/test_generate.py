@@ -213,3 +213,12 @@ def test_compiled_step_equals_eager(target, real_drafter):
         b = G.generate(target, prompt, 12, drafter=drafter, budget=budget, max_seq_len=96, stats=compiled,
                        mode="compile")
         assert a == b and eager.accept_lens == compiled.accept_lens
+
+
+def test_cuda_graph_refuses_reference_kernels(target, monkeypatch):
+    """--cuda-graph --no-triton is refused by name: the reference MoE reads its expert ids on the host (it used to
+    fail inside the capture with a CUDA error, H200, 2026-11-30)."""
+    import kernels
+    monkeypatch.setattr(kernels, "FORCE_REF", True)
+    with pytest.raises(ValueError, match="--no-triton"):
+        G.generate(target, [1, 2, 3], 4, mode="graph")
