@@ -265,10 +265,11 @@ class Linear(M.Linear):
         return F.linear(x, self.weight, bias)
 
 
-class Attention(nn.Module):
+class Attention(M.SharesRows):
     """Column-parallel by heads: rank r holds q heads [r*H/ws, (r+1)*H/ws) and kv heads [r*KV/ws, ...), the
     kv heads those q heads share (GQA groups are contiguous), so attention needs no communication; o_proj
     is row-parallel and one all_reduce sums the heads' partial outputs."""
+    ROW_GROUPS = {"qkv_weight": ("q_proj", "k_proj", "v_proj")}      # context and block rows: one GEMM
 
     def __init__(self, a: DraftArgs):
         super().__init__()
@@ -281,14 +282,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(H * self.hd, D, b, shard_dim=1)
         self.q_norm = RMSNorm(self.hd, a.rms_norm_eps)     # per head, before rope (Qwen3)
         self.k_norm = RMSNorm(self.hd, a.rms_norm_eps)
-        self.qkv_weight = M.share_rows(self.q_proj, self.k_proj, self.v_proj)         # [(H + 2 KV) hd / ws, D]
+        self.share()                             # qkv_weight [(H + 2 KV) hd / ws, D]
         # the Triton kernels tile head_dim with tl.arange / tl.dot: a power of two >= 16 (else the references)
         self.kernels_fit = self.hd >= 16 and self.hd & (self.hd - 1) == 0
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)            # .to() / .cuda(): new tensors, so share their rows again (model.MLA)
-        self.qkv_weight = M.share_rows(self.q_proj, self.k_proj, self.v_proj)
-        return self
 
     def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> roped K, V [B, T, n_kv, hd]: the plain equations (the prompt's context rows, training).
@@ -377,6 +373,11 @@ class DFlashDrafter(nn.Module):
         self.rope_cos, self.rope_sin = (t[0] for t in rope_cos_sin(inv_freq, self.rope_amp, self.ids[None, :S],
                                                                    w.dtype))             # [S, hd] each
 
+    def _check_room(self, ctx_len: int, n_new: int) -> None:
+        if ctx_len + n_new > self.max_ctx_len:
+            raise ValueError(f"drafter context overflow: ctx_len {ctx_len} + {n_new} new rows > max_ctx_len "
+                             f"{self.max_ctx_len}")
+
     def fuse(self, ctx_feats: torch.Tensor) -> torch.Tensor:
         """Context features [B, n, n_taps*D] -> hidden_norm(fc(.)) [B, n, D]. fc is row-parallel: every rank
         has all the features (the target's residual stream is replicated), multiplies its slice of the input
@@ -406,9 +407,7 @@ class DFlashDrafter(nn.Module):
         B, bs, _ = block_embeds.shape
         n_new, dev = ctx_feats.shape[1], block_embeds.device
         if isinstance(ctx_len, int):
-            if ctx_len + n_new > self.max_ctx_len:
-                raise ValueError(f"drafter context overflow: ctx_len {ctx_len} + {n_new} new rows > max_ctx_len "
-                                 f"{self.max_ctx_len}")
+            self._check_room(ctx_len, n_new)
             start = torch.full((B,), ctx_len, dtype=torch.long, device=dev)               # [B]
             S = ctx_len + n_new + bs                      # eager: read only the live slots and the block
         else:
@@ -436,10 +435,9 @@ class DFlashDrafter(nn.Module):
     def append_context(self, ctx_feats: torch.Tensor, ctx_len: int, row: int = 0) -> None:
         """Write context rows' K/V without drafting (the prompt, before fixed-shape steps take over) into
         cache rows row .. row+B-1."""
+        self._check_room(ctx_len, ctx_feats.shape[1])
         f = self.fuse(ctx_feats)                                                          # [B, n, D]
         B, n, _ = f.shape
-        if ctx_len + n > self.max_ctx_len:
-            raise ValueError(f"drafter context overflow: ctx_len {ctx_len} + {n} rows > max_ctx_len {self.max_ctx_len}")
         cos, sin = (t[None, ctx_len:ctx_len + n].expand(B, n, -1) for t in (self.rope_cos, self.rope_sin))  # [B, n, hd]
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(f, cos, sin)

@@ -95,6 +95,9 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
     no host sync inside a step), "graph" (StaticStep replayed as a CUDA graph), "compile" (torch.compile),
     "graph+compile" (the compiled step captured as a CUDA graph: fused kernels and no launch overhead).
     debug: check every layer's output for NaN/inf, and under TP that all ranks committed the same tokens."""
+    if "graph" in mode and kernels.FORCE_REF:
+        raise ValueError("--cuda-graph with --no-triton: the reference MoE picks its experts on the host "
+                         "(unique().tolist()), which a CUDA graph cannot capture; drop one of the two flags")
     stats = stats if stats is not None else Stats()
     dev = model.embed_tokens.weight.device
     max_seq_len = max_seq_len or model.max_seq_len or len(prompt_ids) + max_new_tokens + 80
@@ -136,9 +139,6 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
     t_decode = clock.t
     done = emit([int(bonus)])
     n_nodes = budget + 1 if not chain else (drafter.block_size if speculative else 1)
-    if "graph" in mode and kernels.FORCE_REF:
-        raise ValueError("--cuda-graph with --no-triton: the reference MoE picks its experts on the host "
-                         "(unique().tolist()), which a CUDA graph cannot capture; drop one of the two flags")
     if mode != "eager":
         runner = StaticStep.get(model, drafter if speculative else None, budget, chain, temperature, top_k, top_p,
                                 graph="graph" in mode, compile="compile" in mode)

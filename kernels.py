@@ -1076,6 +1076,22 @@ def _mla_wgmma_split(q_lat, q_pe, cache, prefix_len, bits, softmax_scale, o_part
         BLOCK_S=c["BLOCK_S"], STAGES=c["STAGES"], num_warps=c["num_warps"])
 
 
+def _num_splits(S: int, max_splits: int, min_split_len: int, waves: float, programs: int, device) -> int:
+    # the grid depends on shapes only (no sync): splits of S cache keys for ~`waves` waves of `programs` programs per
+    # split, at most one split per min_split_len keys
+    return max(1, min(max_splits, triton.cdiv(S, min_split_len), triton.cdiv(int(waves * _sm_count(device)), programs)))
+
+
+def _merge_splits(o_part, lse_part, prefix_len, out, T: int, H: int, MIN_SPLIT: int, BLOCK_S: int) -> None:
+    # stage 2 of the split attentions: o_part [B, NS, T*H, R] fp32 and lse_part [B, NS, T*H] -> out [B, T, H, R]
+    B, num_splits, _, R = o_part.shape
+    SPLITS = triton.next_power_of_2(num_splits)
+    BLOCK_R = min(R, max(16, 1 << (ATTN_MERGE["elements"] // SPLITS).bit_length() - 1))     # a power of two
+    _mla_merge_kernel[(B, T * H, R // BLOCK_R)](
+        o_part, lse_part, prefix_len, out, T, H, num_splits, R=R, MIN_SPLIT=MIN_SPLIT, BLOCK_S=BLOCK_S,
+        SPLITS=SPLITS, BLOCK_R=BLOCK_R, num_warps=ATTN_MERGE["num_warps"])
+
+
 def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale: float, out=None):
     B, T, H, R = q_lat.shape
     P = q_pe.shape[-1]
@@ -1107,9 +1123,7 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     n_qblocks = triton.cdiv(rows, BLOCK_Q)
 
     def splits(waves: float) -> int:
-        # the grid depends on shapes only (no sync): splits for ~`waves` waves, at most one per MIN_SPLIT cache keys
-        return max(1, min(ATTN_SPLITS["max_splits"], triton.cdiv(cache.shape[1], MIN_SPLIT),
-                          triton.cdiv(int(waves * _sm_count(q_lat.device)), B * n_qblocks)))
+        return _num_splits(cache.shape[1], ATTN_SPLITS["max_splits"], MIN_SPLIT, waves, B * n_qblocks, q_lat.device)
     if wgmma:   # one wave, or two where one would make the splits longer than max_split_len
         num_splits = splits(1)
         if triton.cdiv(cache.shape[1], num_splits) > ATTN_WGMMA["max_split_len"]:
@@ -1128,11 +1142,7 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
             q_lat, q_pe, cache, prefix_len, bits, o_part, lse_part,
             softmax_scale, T, H, num_splits, cache.stride(0), cache.stride(1), *q_lat.stride()[:3],
             R=R, P=P, MIN_SPLIT=MIN_SPLIT, **cfg)
-    SPLITS = triton.next_power_of_2(num_splits)
-    BLOCK_R = min(R, max(16, 1 << (ATTN_MERGE["elements"] // SPLITS).bit_length() - 1))     # a power of two
-    _mla_merge_kernel[(B, T * H, R // BLOCK_R)](
-        o_part, lse_part, prefix_len, out, T, H, num_splits, R=R, MIN_SPLIT=MIN_SPLIT, BLOCK_S=BLOCK_S,
-        SPLITS=SPLITS, BLOCK_R=BLOCK_R, num_warps=ATTN_MERGE["num_warps"])
+    _merge_splits(o_part, lse_part, prefix_len, out, T, H, MIN_SPLIT, BLOCK_S)
     return out
 
 
@@ -1542,9 +1552,8 @@ def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=N
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous(), "out: like q, contiguous"
     cfg, G = DRAFT_ATTN, H // KV
     n_qblocks = triton.cdiv(T * G, cfg["BLOCK_Q"])
-    num_splits = max(1, min(cfg["max_splits"], triton.cdiv(S, cfg["min_split_len"]),
-                            triton.cdiv(int(cfg["waves"] * _sm_count(q.device)), B * KV * n_qblocks)))
     MIN_SPLIT, BLOCK_S = cfg["min_split_len"], cfg["BLOCK_S"]
+    num_splits = _num_splits(S, cfg["max_splits"], MIN_SPLIT, cfg["waves"], B * KV * n_qblocks, q.device)
     o_part, lse_part = out, out                          # one split: the kernel writes out directly, no partials
     if num_splits > 1:
         o_part = _empty((B, num_splits, T * H, hd), torch.float32, q.device)
@@ -1554,11 +1563,7 @@ def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=N
         *k_cache.stride()[:3], *v_cache.stride()[:3], G=G, HD=hd, MIN_SPLIT=MIN_SPLIT, BLOCK_Q=cfg["BLOCK_Q"],
         BLOCK_S=BLOCK_S, DIRECT=num_splits == 1, num_warps=cfg["num_warps"])
     if num_splits > 1:
-        SPLITS = triton.next_power_of_2(num_splits)
-        BLOCK_R = min(hd, max(16, 1 << (ATTN_MERGE["elements"] // SPLITS).bit_length() - 1))
-        _mla_merge_kernel[(B, T * H, hd // BLOCK_R)](
-            o_part, lse_part, prefix_len, out, T, H, num_splits, R=hd, MIN_SPLIT=MIN_SPLIT, BLOCK_S=BLOCK_S,
-            SPLITS=SPLITS, BLOCK_R=BLOCK_R, num_warps=ATTN_MERGE["num_warps"])
+        _merge_splits(o_part, lse_part, prefix_len, out, T, H, MIN_SPLIT, BLOCK_S)
     return out
 
 

@@ -339,7 +339,8 @@ def share_rows(*linears: Linear) -> torch.Tensor:
     in-place loading and TP slicing stay as they were, while linear_rows computes every output in one GEMM (one
     launch, one pass over the weights; H200, T = 9: q_a + kv_a 18.8 -> 13.2 µs, shared gate + up 27.4 -> 21.2).
     Writes in place keep the sharing; .to() / .cuda() give every parameter a new tensor, so the modules that
-    share rows call this again from _apply. linear_rows checks it (load_state_dict(assign=True) would break it)."""
+    share rows (SharesRows) call this again from _apply. linear_rows checks it (load_state_dict(assign=True) would
+    break it)."""
     w = torch.cat([lin.weight.detach() for lin in linears])                     # [sum out, in]
     row = 0
     for lin in linears:
@@ -348,6 +349,21 @@ def share_rows(*linears: Linear) -> torch.Tensor:
         lin.weight.shard_dim = old.shard_dim
         row += old.shape[0]
     return w
+
+
+class SharesRows(nn.Module):
+    """A module whose Linears share one weight tensor (share_rows). ROW_GROUPS: attribute of the shared tensor ->
+    names of its Linears; share() builds them, and _apply builds them again after .to() / .cuda()."""
+    ROW_GROUPS: dict[str, tuple[str, ...]] = {}
+
+    def share(self) -> None:
+        for attr, names in self.ROW_GROUPS.items():
+            setattr(self, attr, share_rows(*(getattr(self, n) for n in names)))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.share()
+        return self
 
 
 def linear_rows(x: torch.Tensor, w: torch.Tensor, *linears: Linear, split: bool = True):
@@ -483,8 +499,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 # MLA attention
 
 
-class MLA(nn.Module):
+class MLA(SharesRows):
     """Multi-head latent attention. Cache per token: kv_a_layernorm(c_kv) [R] | rope(k_pe) [P], shared by heads."""
+    ROW_GROUPS = {"q_kv_a_weight": ("q_a_proj", "kv_a_proj_with_mqa")}     # both read x: one GEMM
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -495,7 +512,7 @@ class MLA(nn.Module):
         self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
         self.q_b_proj = ColumnParallelLinear(args.q_lora_rank, args.num_attention_heads * args.qk_head_dim)
         self.kv_a_proj_with_mqa = Linear(args.hidden_size, args.kv_lora_rank + args.qk_rope_head_dim)
-        self.q_kv_a_weight = share_rows(self.q_a_proj, self.kv_a_proj_with_mqa)   # [q_lora + R + P, D], replicated
+        self.share()                             # q_kv_a_weight [q_lora + R + P, D], replicated
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(args.kv_lora_rank,
                                               args.num_attention_heads * (args.qk_nope_head_dim + args.v_head_dim))
@@ -508,11 +525,6 @@ class MLA(nn.Module):
         pow2 = lambda n, least: n >= least and n & (n - 1) == 0
         self.latent_kernel_fits = pow2(self.kv_lora_rank, 2) and pow2(self.rope, 2)
         self.attn_kernel_fits = pow2(self.kv_lora_rank, 16) and pow2(self.rope, 16)
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)            # .to() / .cuda(): new tensors, so share their rows again
-        self.q_kv_a_weight = share_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
-        return self
 
     def forward(self, x, cos, sin, cache=None, start_pos=None, tree_mask=None, absorb=False, slots=None):
         """x [B, T, D]. cache: this layer's [Bmax, S, R+P] slice or None (no cache: causal attention over x).
@@ -608,21 +620,17 @@ def _slots(start_pos, B: int, T: int, device) -> torch.Tensor:
 # Feed-forward: dense SwiGLU MLP, noaux_tc router, routed experts (INT4 or float), shared experts
 
 
-class MLP(nn.Module):
+class MLP(SharesRows):
     """SwiGLU MLP, tensor-parallel (gate/up column, down row). Returns this rank's partial sum: the
     caller all-reduces (so MoE can add routed + shared before one all-reduce)."""
+    ROW_GROUPS = {"gate_up_weight": ("gate_proj", "up_proj")}
 
     def __init__(self, dim: int, inter: int):
         super().__init__()
         self.gate_proj = ColumnParallelLinear(dim, inter)
         self.up_proj = ColumnParallelLinear(dim, inter)
         self.down_proj = RowParallelLinear(inter, dim)
-        self.gate_up_weight = share_rows(self.gate_proj, self.up_proj)            # [2 inter/ws, dim]
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)            # as MLA._apply
-        self.gate_up_weight = share_rows(self.gate_proj, self.up_proj)
-        return self
+        self.share()                             # gate_up_weight [2 inter/ws, dim]
 
     def forward(self, x):
         return self.down_proj(silu_mul(*linear_rows(x, self.gate_up_weight, self.gate_proj, self.up_proj)))

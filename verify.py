@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 import kernels
+import model as M
 from tree import Tree
 
 
@@ -62,7 +63,7 @@ def accept(tree: Tree, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch
     On a GPU, for the search kernel's trees (packed mask rows), one launch (kernels.tree_accept) instead of
     accept_ref's ~17 ops; the same values.
     """
-    if tree.mask_bits is not None and kernels.use_triton(target_tokens.device) and not torch.compiler.is_compiling():
+    if tree.mask_bits is not None and M.fused(target_tokens.device):
         return kernels.tree_accept(tree.tokens, tree.parents, tree.depths, tree.valid, tree.mask_bits,
                                    target_tokens.contiguous())
     return accept_ref(tree, target_tokens)
@@ -95,8 +96,7 @@ def commit_kv(kv_cache: torch.Tensor, start_pos: torch.Tensor | int, accepted: t
     Valid without recompute: the path's nodes sat at positions start + depth = exactly the slots they move
     to, and each saw only its ancestors, i.e. causal attention along the path. On a GPU one launch that
     moves only those rows (kernels.commit_kv); elsewhere commit_kv_ref."""
-    if isinstance(start_pos, torch.Tensor) and kernels.use_triton(kv_cache.device) \
-            and not torch.compiler.is_compiling():
+    if isinstance(start_pos, torch.Tensor) and M.fused(kv_cache.device):
         start = start_pos.reshape(-1).expand(accepted.shape[0]).contiguous()                  # [B]
         return kernels.commit_kv(kv_cache, start, accepted.contiguous(), accept_len.contiguous())
     commit_kv_ref(kv_cache, start_pos, accepted, accept_len)
