@@ -29,6 +29,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BUNDLED_TARGET = os.path.join(HERE, "checkpoints", "tiny-k2")
 BUNDLED_DRAFT = os.path.join(HERE, "checkpoints", "tiny-k2-dflash")
 MAX_BUDGET = 1024      # verify width B+1; above 63 the attention takes the reference path (see model.MLA)
+# torch.compile of the step rounds every intermediate to the model dtype where eager does: without it inductor keeps
+# fused intermediates in fp32, a different bf16 target from the eager one the drafter was distilled against (CPU,
+# bf16, bundled pair, first code prompt: accept 3.333 -> 3.615 = eager's, step for step). fp32 is unaffected.
+COMPILE_OPTIONS = {"emulate_precision_casts": True}
 DEFAULT_PROMPT = "def parse_args(argv=None):\n    \"\"\"Parse command line arguments.\"\"\"\n    parser = "
 
 
@@ -268,7 +272,7 @@ class StaticStep:
             # (gather(out=) into a slice of ctx_feats fails its overlap check on symbolic sizes). Every budget,
             # temperature and the chain are separate entries of the same code objects, hence the larger limit.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            fn = torch.compile(fn, dynamic=False)
+            fn = torch.compile(fn, dynamic=False, options=COMPILE_OPTIONS)
         self.fn = fn
         self.use_graph, self.graph = graph, None
 
