@@ -16,6 +16,9 @@ Modes:
           greedy and temperature 1: tokens/s, speedup over autoregressive, mean accept length and histogram,
           time per stage (draft / tree / verify / commit), peak memory, and whether greedy speculative output
           equals autoregressive output token for token ("lossless").
+  step    one decode step of the e2e pair (AR and DDTree), replayed from the same inputs in each step mode
+          (static, graph, compile, graph+compile): its time against the summed time of the kernels it launches,
+          and what a CUDA graph of N trivial kernels costs on this GPU (the per-node floor).
   layers  one K2.6-shaped MoE block (and the dense layer-0 block) built directly with random weights at the
           real dimensions (INT4 experts as random packed words), a KV cache of several lengths, and the step
           latency for T = 1, 9, 17, 33 new tokens (tree-masked verify for T > 1) against its byte floor; then a
@@ -29,6 +32,7 @@ Modes:
 
     python bench.py e2e                                   # bundled tiny model + drafter (CPU ok)
     python bench.py e2e --budgets 4,16 --temperature 0 --max-new-tokens 64 --out runs/e2e.json
+    python bench.py step                                  # the bundled pair's step: eager vs graph vs compile
     python bench.py layers --scale tiny                   # CPU: every dimension shrunk (a smoke test)
     python bench.py layers --tp 8 --out runs/layers.json  # one H200, per-rank TP8 shapes, real dimensions
     python bench.py peer --tp 1 --ctx 4096                # one H200 (the peer's bf16 experts: 34 GB)
@@ -1136,6 +1140,95 @@ def bench_tree(a, device, dtype) -> dict:
     return {"graph": graph, "rows": rows}
 
 
+def _event_median_us(fn, before, device, n: int = 100) -> float:
+    """Median µs of fn() alone (CUDA events around it; before() runs untimed first), or wall clock on a CPU."""
+    ts = []
+    for _ in range(n):
+        before()
+        if device.type == "cuda":
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            fn()
+            t1.record()
+            t1.synchronize()
+            ts.append(t0.elapsed_time(t1) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(ts)
+
+
+def graph_node_floor(device, sizes=(1, 10, 100, 200)) -> list[dict]:
+    """What a CUDA-graph replay costs per kernel on this GPU, whatever the kernels do: a graph of N dependent
+    one-element adds (~1 µs kernels). replay - kernel sum is the replay's own cost (a fixed part + a gap per node):
+    the floor under any step made of short kernels."""
+    rows = []
+    x = torch.zeros(1, device=device)
+    for n in sizes:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):          # warm-up off the capture stream, as StaticStep does
+            x.add_(1)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                x.add_(1)
+        replay = _event_median_us(g.replay, lambda: None, device)
+        k = kernel_times(g.replay, device)
+        rows.append({"nodes": n, "replay_us": replay, "kernels_us": k["kernels_us"],
+                     "ratio": replay / k["kernels_us"]})
+    return rows
+
+
+@torch.no_grad()
+def bench_step(a, device, dtype) -> dict:
+    """One decode step of the e2e pair (AR: --step-budgets 0; DDTree: B > 0), replayed many times from the same
+    inputs, in each step mode: its time, the kernels it launches and their summed time (profiler; for a graph,
+    inside the replay). time / kernel sum is what a mode adds on top of its kernels (issue 10: a CUDA graph
+    should leave <= 1.2x); graph_node_floor is what this GPU adds per kernel to any graph."""
+    import generate as G
+    ckpt, draft_dir = _e2e_paths(a)
+    target = G.load_target(ckpt, device, dtype, progress=False)
+    drafter = G.load_draft(draft_dir, target, device, dtype) if draft_dir else None
+    ids = encode_prompts(load_prompts(a.prompts, 1), a.tokenizer or ckpt, target.args.vocab_size, a.chat)[0][0]
+    modes = a.step_modes or (["static", "graph", "graph+compile"] if device.type == "cuda" else ["static"])
+    print0(f"\n## step: {ckpt} on {device}, {str(dtype).replace('torch.', '')}, first prompt ({len(ids)} tokens), "
+           f"one step replayed from the same inputs, medians of 100")
+    rows = []
+    for mode in modes:
+        for budget in a.step_budgets:
+            if budget and drafter is None:
+                continue
+            G.StaticStep._cache.clear()           # one runner: this mode and budget
+            G.generate(target, ids, 16, drafter=drafter if budget else None, budget=budget, mode=mode,
+                       max_seq_len=len(ids) + 16 + 2 * (budget + 1) + 64)   # compiles / captures the step
+            runner = next(iter(G.StaticStep._cache.values()))
+            state = runner.state()
+            saved = [t.clone() for t in state]
+            restore = lambda: [t.copy_(v) for t, v in zip(state, saved)]                # noqa: E731
+            step = runner.graph.replay if runner.graph is not None else runner.fn
+            restore(), step()
+            first = runner.out.clone()            # [1, N+1]: accept length, committed tokens
+            us = _event_median_us(step, restore, device)
+            same = torch.equal(runner.out, first)  # every timed call was the same step
+            k, k0 = kernel_times(lambda: (restore(), step()), device), kernel_times(restore, device)
+            kern = None if k["kernels_us"] is None else k["kernels_us"] - k0["kernels_us"]
+            rows.append({"mode": mode, "budget": budget, "us": us, "kernels_us": kern, "same_step": same,
+                         "n_kernels": None if kern is None else k["n_kernels"] - k0["n_kernels"],
+                         "ratio": us / kern if kern else None})
+    print0(table(["mode", "step", "us", "kernels", "kernels us", "us / kernels us", "same step"],
+                 [[r["mode"], f"DDTree {r['budget']}" if r["budget"] else "AR", _f(r["us"]), _f(r["n_kernels"], ".0f"),
+                   _f(r["kernels_us"]), _f(r["ratio"], ".2f"), r["same_step"]] for r in rows]))
+    floor = graph_node_floor(device) if device.type == "cuda" else []
+    if floor:
+        print0("graph-node floor (a graph of N dependent one-element adds): " + "; ".join(
+            f"N={f['nodes']}: replay {f['replay_us']:.1f} us over {f['kernels_us']:.1f} us of kernels "
+            f"({f['ratio']:.2f}x)" for f in floor))
+    return {"rows": rows, "graph_node_floor": floor}
+
+
 # ----------------------------------------------------------------------------------------------
 # Output: JSON and the plot
 
@@ -1205,7 +1298,7 @@ def main(argv: list[str] | None = None) -> dict:
             print0(f"\n## {mode}: skipped under torchrun (single-process mode)")
             continue
         fn = {"e2e": bench_e2e, "layers": bench_layers, "moe-split": bench_moe_split, "draft": bench_draft,
-              "allreduce": bench_allreduce, "peer": bench_peer, "tree": bench_tree}[mode]
+              "allreduce": bench_allreduce, "peer": bench_peer, "tree": bench_tree, "step": bench_step}[mode]
         if mode == "e2e" and a.batch:
             fn = bench_batch
         try:
@@ -1233,7 +1326,7 @@ def _floats(s: str) -> list[float]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("mode", choices=["e2e", "layers", "moe-split", "draft", "allreduce", "peer", "tree", "all"])
+    p.add_argument("mode", choices=["e2e", "step", "layers", "moe-split", "draft", "allreduce", "peer", "tree", "all"])
     p.add_argument("--batch", type=_ints, default=[], help="e2e: batch sizes (e.g. 1,4,16,64): batched decoding")
     p.add_argument("--step-mode", choices=["eager", "static", "graph", "compile", "graph+compile"], default="eager",
                    help="e2e decode loop: the eager reference, the fixed-shape step, that step as a CUDA graph, or compiled")
@@ -1253,6 +1346,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                          "before timing (-1: --max-new-tokens; 0: none)")
     e.add_argument("--chat", action="store_true", help="apply the chat template (real K2.6) instead of raw text")
     e.add_argument("--no-chain", action="store_true", help="skip the DFlash chain baseline")
+    s = p.add_argument_group("step (the e2e pair and its first prompt)")
+    s.add_argument("--step-budgets", type=_ints, default=[0, 8], help="step: 0 = the AR step, B > 0 = DDTree B")
+    s.add_argument("--step-modes", type=lambda v: v.split(","), default=None,
+                   help="step: comma-separated step modes (default: static,graph,graph+compile on CUDA, static on CPU)")
     l = p.add_argument_group("layers / peer")
     l.add_argument("--scale", choices=["auto", "real", "tiny"], default="auto", help="auto: real on CUDA, tiny on CPU")
     l.add_argument("--tp", type=int, default=8, help="per-rank shapes of this tensor-parallel size (rank 0)")

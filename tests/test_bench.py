@@ -83,6 +83,17 @@ def test_e2e(pair, capsys):
             assert r["verify_tokens"] == r["budget"] + 1 and max(map(int, r["accept_hist"])) <= r["budget"] + 1
 
 
+def test_step_mode(pair, capsys):
+    """step: the pair's AR and DDTree steps, each replayed from the same restored inputs (every timed call commits the
+    same tokens); on a CPU the static step only, without profiler kernels or the graph-node floor."""
+    res = bench.main(["step", "--device", "cpu", "--ckpt", str(pair / "target"), "--draft", str(pair / "draft"),
+                      "--step-budgets", "0,4"])["step"]
+    assert [(r["mode"], r["budget"]) for r in res["rows"]] == [("static", 0), ("static", 4)]
+    assert all(r["us"] > 0 and r["same_step"] and r["kernels_us"] is None for r in res["rows"])
+    assert res["graph_node_floor"] == []
+    assert "## step" in capsys.readouterr().out
+
+
 def test_layers(capsys):
     res = bench.main(["layers", "--scale", "tiny", "--tp", "8", "--ctx", "32,64", "--T", "1,9", "--copy-mb", "8",
                       "--allreduce-us", "20"])

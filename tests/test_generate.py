@@ -215,13 +215,19 @@ def test_compiled_step_equals_eager(target, real_drafter):
         assert a == b and eager.accept_lens == compiled.accept_lens
 
 
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+@pytest.mark.skipif(TORCH_VERSION < (2, 13), reason="emulate_precision_casts made inductor's CPU code round like eager "
+                    "with torch 2.13 (CI's pin: bit for bit) but not with torch 2.11 on the H200 host's CPU (0.76% of "
+                    "the largest logit, as without it); test_gpu checks the GPU path, which 2.11 does honour")
 def test_compiled_bf16_forward_rounds_like_eager():
     """In bf16 torch.compile must round where eager rounds (generate.COMPILE_OPTIONS): inductor otherwise keeps fused
     intermediates in fp32, a slightly different target (here 0.9% of the largest logit, 95% of argmaxes), and the
     bundled drafter, distilled against the eager one, drafts worse for it (2026-11-30: code prompts on the H200,
     graph+compile accepted 3.31 tokens a step against graph's 4.67; 4.65 with the option). Bundled target, bf16, a
-    code prompt: the compiled forward's logits match eager's (bit for bit on the development CPU; the bound leaves
-    room for another CPU's summation order)."""
+    code prompt: the compiled forward's logits match eager's (bit for bit on the development CPU, torch 2.13; the
+    bound leaves room for another CPU's summation order)."""
     import bench
     target = G.load_target(G.BUNDLED_TARGET, torch.device("cpu"), torch.bfloat16, progress=False)
     prompt = bench.encode_prompts(bench.load_prompts(bench.PROMPTS_FILE, 1), G.BUNDLED_TARGET,
