@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +35,19 @@ MAX_BUDGET = 1024      # verify width B+1; above 63 the attention takes the refe
 # bundled pair, code prompts, budget 8: graph+compile accepted 3.31 tokens a step, 4.65 with it, graph 4.67). fp32
 # is unaffected.
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
+
 DEFAULT_PROMPT = "def parse_args(argv=None):\n    \"\"\"Parse command line arguments.\"\"\"\n    parser = "
+
+
+def compile_options() -> dict:
+    """COMPILE_OPTIONS that this torch's inductor knows. torch.compile rejects unknown options, and an older torch may
+    lack emulate_precision_casts: it then compiles without it, with a warning (bf16 acceptance may drop)."""
+    from torch._inductor import config as inductor_config
+    missing = [k for k in COMPILE_OPTIONS if not hasattr(inductor_config, k)]
+    if missing:
+        warnings.warn(f"torch {torch.__version__}: inductor has no {', '.join(missing)}; compiling without it "
+                      f"(in bf16 the compiled step may accept fewer draft tokens than eager)")
+    return {k: v for k, v in COMPILE_OPTIONS.items() if k not in missing}
 
 
 @dataclass
@@ -273,7 +286,7 @@ class StaticStep:
             # (gather(out=) into a slice of ctx_feats fails its overlap check on symbolic sizes). Every budget,
             # temperature and the chain are separate entries of the same code objects, hence the larger limit.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            fn = torch.compile(fn, dynamic=False, options=COMPILE_OPTIONS)
+            fn = torch.compile(fn, dynamic=False, options=compile_options())
         self.fn = fn
         self.use_graph, self.graph = graph, None
 
