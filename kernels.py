@@ -2123,6 +2123,32 @@ def _time(fn):
     return eager, graph
 
 
+def _graph_replay_us(fn, n: int = 25) -> float:
+    """Median us of replaying fn captured in a CUDA graph, one replay at a time between CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[n // 2]
+
+
+def _time_cold(fn) -> float:
+    """us of fn with a cold L2, as in a model step (each layer's cache and experts come from HBM once): a graph of
+    [write a buffer twice the L2's size, fn] minus a graph of the write alone. do_bench_cudagraph replays fn back
+    to back, so inputs smaller than the L2 (a 32k-slot cache is 37.7 MB; the H200's L2 is 60 MiB) stay in it."""
+    flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size // 4, dtype=torch.int32, device="cuda")
+    return _graph_replay_us(lambda: (flush.fill_(1), fn())) - _graph_replay_us(lambda: flush.fill_(1))
+
+
 def _copy_bandwidth(nbytes: int = 2**30) -> float:
     """GB/s of a device-to-device copy (bytes read + written), the yardstick of the bandwidth columns."""
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
@@ -2130,17 +2156,36 @@ def _copy_bandwidth(nbytes: int = 2**30) -> float:
     return 2 * nbytes / (triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3) / 1e9
 
 
+def mla_attention_work(T: int, H: int, keys: int, R: int, P: int, block_rows: int = 64) -> dict:
+    """What one mla_tree_attention call over `keys` cache slots must read and multiply: the cache bytes (bf16),
+    the MMA flops of the scores (R + P per key) and of P @ V (R per key) for the T*H query rows, and the same
+    flops for the rows as the Hopper kernel runs them (whole `block_rows` wgmma blocks: 72 rows cost 128)."""
+    rows, per_row = T * H, 2 * keys * (2 * R + P)
+    padded = -(-rows // block_rows) * block_rows
+    return dict(bytes=keys * (R + P) * 2, flops=rows * per_row, flops_executed=padded * per_row)
+
+
+def _mma_peak(n: int = 8192) -> float:
+    """TFLOP/s of a large bf16 matmul (cuBLAS): the tensor-core yardstick of the attention's compute floor."""
+    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n**3 / (triton.testing.do_bench(lambda: a @ b, return_mode="median") * 1e-3) / 1e12
+
+
 def _selftest_row(label: str, case, kernel, ref, tol: float, bw: float) -> bool:
-    """One self-test row: case() -> (args, bytes read, extra column); kernel vs ref error, eager and graph
-    times, GB/s and its fraction of the copy bandwidth bw. An exception is reported on the row (and fails the
-    test) instead of stopping the table."""
+    """One self-test row: case() -> (args, bytes read, extra columns: a string, or a function of the time);
+    kernel vs ref error, eager, graph (L2 warm) and cold-L2 graph times, GB/s (of the cold time) and its fraction
+    of the copy bandwidth bw. An exception is reported on the row (and fails the test) instead of stopping the
+    table."""
     try:
         args, nbytes, extra = case()
         _, rel = _compare(kernel(*args), ref(*args))
         eager, graph = _time(lambda: kernel(*args))
-        gbps = nbytes / (min(eager, graph) if graph == graph else eager) / 1e3
+        cold = _time_cold(lambda: kernel(*args)) if graph == graph else eager
+        gbps = nbytes / cold / 1e3
         flag = "" if rel < tol else "  FAIL"
-        print(f"{label}{extra} {rel:>9.2e} {eager:>9.1f} {graph:>9.1f} {gbps:>7.0f} {100 * gbps / bw:>5.1f}%{flag}")
+        head, tail = ("", extra(cold)) if callable(extra) else (extra, "")  # a callable: columns of the time
+        print(f"{label}{head} {rel:>9.2e} {eager:>9.1f} {graph:>9.1f} {cold:>8.1f} {gbps:>7.0f} {100 * gbps / bw:>5.1f}%"
+              f"{tail}{flag}")
         return rel < tol
     except Exception as exc:
         print(f"{label}  ERROR {type(exc).__name__}: {str(exc)[:200]}")
@@ -2155,10 +2200,12 @@ def gpu_selftest(tol=2e-2) -> bool:
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | bf16, tol {tol}")
     bw = _copy_bandwidth()
     print(f"copy bandwidth (1 GiB device-to-device, read + written): {bw:.0f} GB/s; '% bw' = GB/s / that")
+    print("graph us: CUDA graph replayed back to back (inputs that fit stay in L2); cold us: after writing twice the "
+          "L2, as in a model step; GB/s, % bw and TF/s from the cold time")
 
     print("\nfused_moe_w4a16: E=384, D=7168, top-8, group 32; GB/s = INT4 weights + scales of the used experts / time;"
           f" T <= {MOE_GEMV_MAX_T}: GEMV path, above: tl.dot path")
-    print(f"{'I':>5} {'T':>3} {'experts':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'GB/s':>7} {'% bw':>6}")
+    print(f"{'I':>5} {'T':>3} {'experts':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'cold us':>8} {'GB/s':>7} {'% bw':>6}")
     E, D, K, G = 384, 7168, 8, 32
     for I in (256, 2048):  # TP8 slice, whole expert
         weights = _rand_experts(E, D, I, G, dtype, dev)
@@ -2175,8 +2222,12 @@ def gpu_selftest(tol=2e-2) -> bool:
         del weights
         torch.cuda.empty_cache()
 
+    peak = _mma_peak()
     print("\nmla_tree_attention: R=512, P=64, B=1, random tree (packed mask rows, as the model passes them); GB/s = cache bytes read (prefix+T) * 576 * 2 / time")
-    print(f"{'H':>3} {'T':>3} {'prefix':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'GB/s':>7} {'% bw':>6}")
+    print(f"MMA TF/s = flops as run (T*H rows in whole blocks of 64 on the wgmma path, 16 otherwise) / time; floor = "
+          f"max(bytes / copy bandwidth, flops of the T*H rows / {peak:.0f} TF/s, a bf16 8192^3 matmul in this run)")
+    print(f"{'H':>3} {'T':>3} {'prefix':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'cold us':>8} {'GB/s':>7} {'% bw':>6}"
+          f" {'MMA TF/s':>8} {'floor us':>8} {'% floor':>7}")
     R, P, scale = 512, 64, 0.14468
     for H in (8, 64):  # TP8 heads per rank, all heads
         for T in (1, 9, 17, 33, 64):
@@ -2188,7 +2239,13 @@ def gpu_selftest(tol=2e-2) -> bool:
                     prefix_len = torch.tensor([prefix], device=dev)
                     parents = torch.tensor([-1] + [int(torch.randint(0, t, ())) for t in range(1, T)])
                     tree_mask = tree_mask_bits(ancestor_mask(parents)[None].to(dev))   # packed, as the model
-                    return (q_lat, q_pe, cache, prefix_len, tree_mask, scale), (prefix + T) * (R + P) * 2, ""
+                    block = 64 if _use_wgmma_attention(q_lat, cache, T * H) or T * H >= ATTN_WIDE["min_rows"] else 16
+                    work = mla_attention_work(T, H, prefix + T, R, P, block)
+                    floor = max(work["bytes"] / bw / 1e3, work["flops"] / peak / 1e6)                  # us
+
+                    def columns(us):
+                        return f" {work['flops_executed'] / us / 1e6:>8.0f} {floor:>8.1f} {100 * floor / us:>6.1f}%"
+                    return (q_lat, q_pe, cache, prefix_len, tree_mask, scale), work["bytes"], columns
                 ok &= _selftest_row(f"{H:>3} {T:>3} {prefix:>7}", case, mla_tree_attention, mla_tree_attention_ref,
                                     tol, bw)
     print("\nself-test", "PASSED" if ok else "FAILED")

@@ -810,6 +810,19 @@ def wgmma_sm90_build() -> dict:
                 ptxas=info)
 
 
+def test_mla_attention_work_counts_whole_blocks():
+    """The self-test's compute floor: flops of scores (R + P) and P @ V (R) per row and key; as run, T*H rows
+    round up to whole 64-row blocks (T = 17 at 8 heads: 136 rows cost 192); bytes = cache slots x (R + P) x 2."""
+    keys = 32768 + 17
+    w = kernels.mla_attention_work(17, 8, keys, 512, 64)
+    assert w["bytes"] == keys * 576 * 2
+    assert w["flops"] == 136 * keys * 2 * (576 + 512)
+    assert w["flops_executed"] * 136 == w["flops"] * 192
+    w8 = kernels.mla_attention_work(8, 8, 100, 512, 64)
+    assert w8["flops_executed"] == w8["flops"]                      # 64 rows: one whole block
+    assert kernels.mla_attention_work(1, 8, 100, 512, 64, block_rows=16)["flops_executed"] == 16 * 100 * 2 * 1088
+
+
 @pytest.mark.skipif(not kernels.HAS_GLUON, reason="Gluon needs triton >= 3.6")
 def test_mla_wgmma_kernel_compiles_for_hopper():
     """No GPU needed: the Hopper attention kernel at K2.6 dims builds for sm_90 into warpgroup MMAs and TMA copies,
