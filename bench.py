@@ -1201,10 +1201,10 @@ def bench_step(a, device, dtype) -> dict:
         for budget in a.step_budgets:
             if budget and drafter is None:
                 continue
-            G.StaticStep._cache.clear()           # one runner: this mode and budget
+            G.StaticStep.clear()                  # one runner: this mode and budget
             G.generate(target, ids, 16, drafter=drafter if budget else None, budget=budget, mode=mode,
                        max_seq_len=len(ids) + 16 + 2 * (budget + 1) + 64)   # compiles / captures the step
-            runner = next(iter(G.StaticStep._cache.values()))
+            (runner,) = G.StaticStep.runners()
             state = runner.state()
             saved = [t.clone() for t in state]
             restore = lambda: [t.copy_(v) for t, v in zip(state, saved)]                # noqa: E731

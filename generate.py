@@ -265,6 +265,17 @@ class StaticStep:
             cls._cache[key] = cls(model, drafter, budget, chain, temperature, top_k, top_p, graph, compile, batch)
         return cls._cache[key]
 
+    @classmethod
+    def clear(cls) -> None:
+        """Drop every runner and its CUDA graph (their memory goes back to the allocator); the next step captures
+        afresh. For a process that moves on to another model, or a bench that wants one runner per mode."""
+        cls._cache.clear()
+
+    @classmethod
+    def runners(cls) -> list:
+        """The live runners, oldest first."""
+        return list(cls._cache.values())
+
     def __init__(self, model, drafter, budget, chain, temperature, top_k, top_p, graph, compile, batch=1):
         self.model, self.drafter, self.budget, self.chain = model, drafter, budget, chain
         self.sampling = (temperature, top_k, top_p)

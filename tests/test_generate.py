@@ -171,6 +171,21 @@ def test_static_step_equals_eager_sampling(target, real_drafter):
     assert len(out) == 20 and all(0 <= t < 96 for t in out) and sum(st.accept_lens) + 1 >= 20
 
 
+def test_static_runners_are_reused_then_cleared(target, real_drafter):
+    """One runner per shape and setting, reused by the next call with the same ones; clear() drops them all (and
+    a cleared cache still decodes the same tokens)."""
+    G.StaticStep.clear()
+    kw = dict(drafter=real_drafter, budget=4, max_seq_len=96, mode="static")
+    a = G.generate(target, [1, 2, 3], 8, **kw)
+    (first,) = G.StaticStep.runners()
+    assert G.generate(target, [1, 2, 3], 8, **kw) == a and G.StaticStep.runners() == [first]
+    G.generate(target, [1, 2, 3], 8, **dict(kw, budget=2))
+    assert len(G.StaticStep.runners()) == 2 and G.StaticStep.runners()[0] is first
+    G.StaticStep.clear()
+    assert G.StaticStep.runners() == []
+    assert G.generate(target, [1, 2, 3], 8, **kw) == a and G.StaticStep.runners()[0] is not first
+
+
 def test_no_host_sync_in_step_functions():
     import inspect
     import verify as V
