@@ -2145,7 +2145,8 @@ def _time_cold(fn) -> float:
     """us of fn with a cold L2, as in a model step (each layer's cache and experts come from HBM once): a graph of
     [write a buffer twice the L2's size, fn] minus a graph of the write alone. do_bench_cudagraph replays fn back
     to back, so inputs smaller than the L2 (a 32k-slot cache is 37.7 MB; the H200's L2 is 60 MiB) stay in it."""
-    flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size // 4, dtype=torch.int32, device="cuda")
+    l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    flush = torch.empty(2 * l2_bytes // 4, dtype=torch.int32, device="cuda")                  # twice the L2
     return _graph_replay_us(lambda: (flush.fill_(1), fn())) - _graph_replay_us(lambda: flush.fill_(1))
 
 
@@ -2167,7 +2168,7 @@ def mla_attention_work(T: int, H: int, keys: int, R: int, P: int, block_rows: in
 
 def _mma_peak(n: int = 8192) -> float:
     """TFLOP/s of a large bf16 matmul (cuBLAS): the tensor-core yardstick of the attention's compute floor."""
-    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     return 2 * n**3 / (triton.testing.do_bench(lambda: a @ b, return_mode="median") * 1e-3) / 1e12
 
 
@@ -2184,8 +2185,8 @@ def _selftest_row(label: str, case, kernel, ref, tol: float, bw: float) -> bool:
         gbps = nbytes / cold / 1e3
         flag = "" if rel < tol else "  FAIL"
         head, tail = ("", extra(cold)) if callable(extra) else (extra, "")  # a callable: columns of the time
-        print(f"{label}{head} {rel:>9.2e} {eager:>9.1f} {graph:>9.1f} {cold:>8.1f} {gbps:>7.0f} {100 * gbps / bw:>5.1f}%"
-              f"{tail}{flag}")
+        print(f"{label}{head} {rel:>9.2e} {eager:>9.1f} {graph:>9.1f} {cold:>8.1f} {gbps:>7.0f} "
+              f"{100 * gbps / bw:>5.1f}%{tail}{flag}")
         return rel < tol
     except Exception as exc:
         print(f"{label}  ERROR {type(exc).__name__}: {str(exc)[:200]}")
@@ -2205,7 +2206,8 @@ def gpu_selftest(tol=2e-2) -> bool:
 
     print("\nfused_moe_w4a16: E=384, D=7168, top-8, group 32; GB/s = INT4 weights + scales of the used experts / time;"
           f" T <= {MOE_GEMV_MAX_T}: GEMV path, above: tl.dot path")
-    print(f"{'I':>5} {'T':>3} {'experts':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'cold us':>8} {'GB/s':>7} {'% bw':>6}")
+    print(f"{'I':>5} {'T':>3} {'experts':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'cold us':>8} "
+          f"{'GB/s':>7} {'% bw':>6}")
     E, D, K, G = 384, 7168, 8, 32
     for I in (256, 2048):  # TP8 slice, whole expert
         weights = _rand_experts(E, D, I, G, dtype, dev)
@@ -2226,8 +2228,8 @@ def gpu_selftest(tol=2e-2) -> bool:
     print("\nmla_tree_attention: R=512, P=64, B=1, random tree (packed mask rows, as the model passes them); GB/s = cache bytes read (prefix+T) * 576 * 2 / time")
     print(f"MMA TF/s = flops as run (T*H rows in whole blocks of 64 on the wgmma path, 16 otherwise) / time; floor = "
           f"max(bytes / copy bandwidth, flops of the T*H rows / {peak:.0f} TF/s, a bf16 8192^3 matmul in this run)")
-    print(f"{'H':>3} {'T':>3} {'prefix':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'cold us':>8} {'GB/s':>7} {'% bw':>6}"
-          f" {'MMA TF/s':>8} {'floor us':>8} {'% floor':>7}")
+    print(f"{'H':>3} {'T':>3} {'prefix':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'cold us':>8} "
+          f"{'GB/s':>7} {'% bw':>6} {'MMA TF/s':>8} {'floor us':>8} {'% floor':>7}")
     R, P, scale = 512, 64, 0.14468
     for H in (8, 64):  # TP8 heads per rank, all heads
         for T in (1, 9, 17, 33, 64):
