@@ -42,13 +42,17 @@ world_size = 1
 rank = 0
 
 
-def init_distributed(timeout_s: float = 300.0) -> torch.device:
-    """Join the torchrun process group (NCCL on GPUs, gloo on CPU) and return this rank's device."""
+def init_distributed(timeout_s: float = 300.0, device: str | None = None) -> torch.device:
+    """Join the torchrun process group (NCCL on GPUs, gloo on CPU) and return this rank's device: `device` (a
+    --device flag; "cuda" means this rank's GPU), else this rank's GPU if there is one, else the CPU. The backend
+    follows the device, so --device cpu on a GPU host runs over gloo."""
     global world_size, rank
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)

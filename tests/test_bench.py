@@ -1,6 +1,6 @@
-"""bench.py at tiny sizes on CPU: every mode runs, and its JSON report is self-consistent (tokens/s = tokens /
-time, the accept histogram counts every step, speedups are ratios of the reported rates, floors are positive,
-greedy speculative output == autoregressive output).
+"""bench.py at tiny sizes on CPU (--device cpu, also on a GPU host): every mode runs, and its JSON report is
+self-consistent (tokens/s = tokens / time, the accept histogram counts every step, speedups are ratios of the
+reported rates, floors are positive, greedy speculative output == autoregressive output).
 Run: python -m pytest -q tests/test_bench.py"""
 import json
 import math
@@ -47,8 +47,9 @@ def last_json(capsys) -> dict:
 
 def test_e2e(pair, capsys):
     out = pair / "e2e.json"
-    res = bench.main(["e2e", "--ckpt", str(pair / "target"), "--draft", str(pair / "draft"), "--budgets", "1,4",
-                      "--n-prompts", "2", "--max-new-tokens", "12", "--warmup", "2", "--out", str(out)])
+    res = bench.main(["e2e", "--device", "cpu", "--ckpt", str(pair / "target"), "--draft", str(pair / "draft"),
+                      "--budgets", "1,4", "--n-prompts", "2", "--max-new-tokens", "12", "--warmup", "2",
+                      "--out", str(out)])
     printed = capsys.readouterr().out
     assert json.loads(printed.strip().splitlines()[-1]) == json.loads(json.dumps(res))     # last line: the JSON
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))
@@ -95,8 +96,8 @@ def test_step_mode(pair, capsys):
 
 
 def test_layers(capsys):
-    res = bench.main(["layers", "--scale", "tiny", "--tp", "8", "--ctx", "32,64", "--T", "1,9", "--copy-mb", "8",
-                      "--allreduce-us", "20"])
+    res = bench.main(["layers", "--device", "cpu", "--scale", "tiny", "--tp", "8", "--ctx", "32,64", "--T", "1,9",
+                      "--copy-mb", "8", "--allreduce-us", "20"])
     assert last_json(capsys) == json.loads(json.dumps(res))
     lay = res["layers"]
     assert lay["copy_bandwidth_Bps"] > 0 and lay["scale"] == "tiny" and lay["tp"] == 8
@@ -136,8 +137,8 @@ def test_layers(capsys):
 def test_layers_compile_column(capsys):
     """--compile times torch.compile of the block next to eager (issue 10's eager vs compile vs graph); the
     best time of the row, and so the MBU and the projection, takes it into account."""
-    res = bench.main(["layers", "--scale", "tiny", "--tp", "8", "--ctx", "16", "--T", "1", "--copy-mb", "8",
-                      "--no-dense", "--compile"])
+    res = bench.main(["layers", "--device", "cpu", "--scale", "tiny", "--tp", "8", "--ctx", "16", "--T", "1",
+                      "--copy-mb", "8", "--no-dense", "--compile"])
     assert last_json(capsys) == json.loads(json.dumps(res))
     (r,) = res["layers"]["rows"]
     assert r["compile_error"] is None and r["compile_us"] > 0
@@ -146,7 +147,7 @@ def test_layers_compile_column(capsys):
 
 
 def test_moe_split(capsys):
-    res = bench.main(["moe-split", "--scale", "tiny", "--tp", "8", "--T", "1,9", "--copy-mb", "8"])
+    res = bench.main(["moe-split", "--device", "cpu", "--scale", "tiny", "--tp", "8", "--T", "1,9", "--copy-mb", "8"])
     assert last_json(capsys) == json.loads(json.dumps(res))
     ms = res["moe-split"]
     cfg = bench.k26_text_config("tiny")
@@ -175,7 +176,7 @@ def test_tree_mode(capsys):
 
 
 def test_draft_replicated_vs_tp(capsys):
-    res = bench.main(["draft", "--scale", "tiny", "--tp", "8", "--ctx", "16", "--copy-mb", "8",
+    res = bench.main(["draft", "--device", "cpu", "--scale", "tiny", "--tp", "8", "--ctx", "16", "--copy-mb", "8",
                       "--allreduce-us", "20"])
     assert last_json(capsys) == json.loads(json.dumps(res))
     rows = {r["tp"]: r for r in res["draft"]["rows"]}
@@ -206,7 +207,7 @@ def test_layers_tp1_shapes_hold_all_heads():
 
 
 def test_peer(pair, capsys):
-    res = bench.main(["peer", "--scale", "tiny", "--tp", "2", "--ctx", "32", "--T", "1,9",
+    res = bench.main(["peer", "--device", "cpu", "--scale", "tiny", "--tp", "2", "--ctx", "32", "--T", "1,9",
                       "--ckpt", str(pair / "target"), "--max-new-tokens", "8", "--peer-experts", "eager"])
     assert last_json(capsys) == json.loads(json.dumps(res))
     peer = res["peer"]
@@ -232,17 +233,17 @@ def test_prompt_set():
 
 
 def test_e2e_batch_and_static_steps(pair, capsys):
-    res = bench.main(["e2e", "--ckpt", str(pair / "target"), "--draft", str(pair / "draft"), "--budgets", "4",
-                      "--n-prompts", "3", "--max-new-tokens", "8", "--batch", "1,4"])
+    res = bench.main(["e2e", "--device", "cpu", "--ckpt", str(pair / "target"), "--draft", str(pair / "draft"),
+                      "--budgets", "4", "--n-prompts", "3", "--max-new-tokens", "8", "--batch", "1,4"])
     rows = res["e2e"]["rows"]
     assert [(r["batch"], r["mode"]) for r in rows] == [(1, "ar"), (1, "ddtree"), (4, "ar"), (4, "ddtree")]
     for r in rows:
         assert r["tokens"] == 8 * r["batch"]                     # no stop ids: every request runs to the limit
         assert close(r["total_tokens_per_s"], r["tokens"] / r["time_s"])
         assert close(r["per_request_tokens_per_s"], r["total_tokens_per_s"] / r["batch"])
-    res = bench.main(["e2e", "--ckpt", str(pair / "target"), "--draft", str(pair / "draft"), "--budgets", "4",
-                      "--n-prompts", "2", "--max-new-tokens", "10", "--temperature", "0", "--step-mode", "static",
-                      "--warmup", "0"])
+    res = bench.main(["e2e", "--device", "cpu", "--ckpt", str(pair / "target"), "--draft", str(pair / "draft"),
+                      "--budgets", "4", "--n-prompts", "2", "--max-new-tokens", "10", "--temperature", "0",
+                      "--step-mode", "static", "--warmup", "0"])
     assert all(r["lossless"] for r in res["e2e"]["runs"] if r["mode"] != "ar")
 
 
@@ -282,7 +283,7 @@ def test_allreduce_under_torchrun_gloo(tmp_path):
     out = tmp_path / "ar.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(port), "bench.py", "allreduce", "--T", "1,9", "--out", str(out)],
+                           str(port), "bench.py", "allreduce", "--device", "cpu", "--T", "1,9", "--out", str(out)],
                           cwd=os.path.dirname(bench.__file__), env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -46,7 +46,7 @@ def test_generates_and_reports(ckpt, capsys):
     (["--prompt", "", "--raw"], "empty prompt"),
     (["--prompt-ids", "1,2,9999"], "prompt token ids must lie in [0, 512)"),
     (["--prompt", "x" * 80, "--raw", "--max-seq-len", "40"], "does not fit the cache (--max-seq-len 40)"),
-    (["--prompt-ids", "1,2", "--cuda-graph", "--compile"], "--cuda-graph needs a CUDA device"),   # graph+compile
+    (["--prompt-ids", "1,2", "--cuda-graph", "--compile", "--device", "cpu"], "--cuda-graph needs a CUDA device"),
 ])
 def test_generation_errors_are_one_line(ckpt, capsys, argv, word):
     code, out, err = run(capsys, "--ckpt", str(ckpt), "--quiet", *argv)

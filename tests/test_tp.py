@@ -30,7 +30,7 @@ def _worker(r, ws, port, ckpt, draft_dir, out_dir, tokens):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(ws), RANK=str(r),
                       LOCAL_RANK=str(r))
     torch.set_num_threads(1)
-    M.init_distributed(timeout_s=120)
+    M.init_distributed(timeout_s=120, device="cpu")
     try:
         import generate as G
         from test_generate import StubDrafter
@@ -148,7 +148,7 @@ RANK_SCRIPT = """
 import os, sys, time, torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
 import model as M
-M.init_distributed(timeout_s=15)
+M.init_distributed(timeout_s=15, device="cpu")
 if M.rank == 1:
     os._exit(3)                      # a rank dies without a word
 try:
@@ -178,3 +178,27 @@ def test_dead_rank_is_an_error_not_a_hang(tmp_path):
     procs[1].wait(timeout=30)
     assert procs[1].returncode == 3
     assert procs[0].returncode != 0 and "error:" in out0, out0
+
+
+def test_init_distributed_backend_follows_device(monkeypatch):
+    """--device picks the torchrun backend: cpu -> gloo even on a GPU host (CUDA faked here), the default and
+    "cuda" -> NCCL on this rank's GPU (LOCAL_RANK); one process joins nothing."""
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: calls.append(backend))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(str(d)))
+    monkeypatch.setattr(M, "world_size", M.world_size)          # restored afterwards
+    monkeypatch.setattr(M, "rank", M.rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert M.init_distributed(device="cpu") == torch.device("cpu") and calls == ["gloo"]
+    assert (M.world_size, M.rank) == (2, 1)
+    calls.clear()
+    assert M.init_distributed() == torch.device("cuda", 1) and calls == ["cuda:1", "nccl"]
+    calls.clear()
+    assert M.init_distributed(device="cuda") == torch.device("cuda", 1) and calls == ["cuda:1", "nccl"]
+    calls.clear()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert M.init_distributed(device="cpu") == torch.device("cpu") and calls == []
