@@ -934,7 +934,10 @@ ATTN_WGMMA = dict(min_rows=64, min_work=2**20, max_split_len=1024, BLOCK_Q=64, B
 # BLOCK_S = 32 with 3-4 stages was slower everywhere (8/9/32k 44.7: the 16-key score MMAs re-read Q from shared
 # memory for half the work each); issuing the next tile's score MMAs before waiting for P @ V changed nothing (+-1%).
 # What bounds it now: one program per SM (255 registers a thread, ~225 KB of shared memory) with one tile in flight
-# while it computes, ~3 us a tile, plus ~8 us of ramp, partial outputs and merge per call.
+# while it computes, ~2.5-2.8 us a tile, plus ~8 us of ramp, partial outputs and merge per call. A tile's MMAs read
+# ~301 KB of operands from shared memory (each warpgroup re-reads Q for its 32 keys), ~1.2 us of it at 128 B a cycle;
+# the rest is the tile's scores, softmax and P @ V waiting on each other. docs/BENCHMARKS.md (2026-11-30, eighth
+# session) has the roofline and the redesigns this points to.
 
 
 @functools.lru_cache(maxsize=None)
