@@ -390,8 +390,12 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, *linears: Linear, split: bool 
 
 def fused(device) -> bool:
     """Use the small Triton glue kernels (norms, rope, routing, SwiGLU): on a GPU, outside torch.compile (inductor
-    fuses the PyTorch forms by itself, and re-generating user kernels from their source is fragile)."""
-    return kernels.use_triton(device) and not torch.compiler.is_compiling()
+    fuses the PyTorch forms by itself, and re-generating user kernels from their source is fragile), and only where
+    the model serves: not while autograd records (the kernels have no backward; their PyTorch twins do) nor under
+    autocast (train.py's bf16 autocast hands them bf16 activations with fp32 rope tables and weights)."""
+    kind = torch.device(device).type
+    return (kernels.use_triton(device) and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+            and not torch.is_autocast_enabled(kind))
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -616,7 +620,7 @@ def _causal(T: int, device) -> torch.Tensor:
 def _slots(start_pos, B: int, T: int, device) -> torch.Tensor:
     ar = torch.arange(T, device=device)
     if isinstance(start_pos, int):
-        return (start_pos + ar).expand(B, T)
+        return (start_pos + ar).repeat(B, 1)          # [B, T], contiguous (the cache-write kernel indexes it flat)
     return start_pos.view(B, 1) + ar                                                           # [B, T]
 
 

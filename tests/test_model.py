@@ -124,6 +124,70 @@ def test_hidden_layers_are_layer_outputs():
     assert torch.allclose(logits, model(tokens), atol=1e-6)
 
 
+GPU_KERNELS = ("rms_norm", "add_rms_norm", "rope", "silu_mul", "router_topk", "mla_latent_to_cache",
+               "mla_tree_attention")
+
+
+def fake_gpu_kernels(monkeypatch, checks=None) -> list:
+    """Pretend the Triton kernels run here (kernels.use_triton -> True): each of GPU_KERNELS becomes its *_ref
+    twin, after checks[name](*args) if given; returns the list of kernel names as they are called."""
+    import kernels
+    calls = []
+    def fake(name):
+        def run(*a, **k):
+            calls.append(name)
+            if checks and name in checks:
+                checks[name](*a, **k)
+            return getattr(kernels, name + "_ref")(*a, **k)
+        return run
+    monkeypatch.setattr(kernels, "use_triton", lambda device: True)
+    for name in GPU_KERNELS:
+        monkeypatch.setattr(kernels, name, fake(name))
+    return calls
+
+
+def test_glue_kernels_stay_out_of_autograd_and_autocast(monkeypatch):
+    """The Triton glue kernels have no backward and want one dtype: with them "available" (faked), a forward under
+    autograd (train.py) or autocast must use the PyTorch twins; they run under no_grad."""
+    model = tiny.random_model(tiny.text_config(), seed=5)
+    tokens = torch.randint(0, 96, (2, 7))
+    model(tokens).float().pow(2).mean().backward()                                    # reference gradients
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    calls = fake_gpu_kernels(monkeypatch)
+    model(tokens).float().pow(2).mean().backward()
+    assert calls == []
+    assert want.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    for n, p in model.named_parameters():
+        if n in want:
+            assert torch.equal(p.grad, want[n]), n
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens)
+    assert calls == []
+    with torch.no_grad():
+        model(tokens)
+    assert {"rms_norm", "rope", "silu_mul", "router_topk"} <= set(calls)
+
+
+def test_cached_batch_hands_the_cache_kernel_its_contract(monkeypatch):
+    """A batch of rows at an int start_pos (train.py's greedy rollouts) gives the cache-write kernel contiguous
+    int64 slots and one dtype, as its wrapper asserts on a GPU (slots were an expand()ed view, refused there)."""
+    def latent_to_cache(kv, weight, eps, cos, sin, cache, slots):
+        assert slots.dtype == torch.int64 and slots.shape == kv.shape[:2] and slots.is_contiguous()
+        assert kv.dtype == weight.dtype == cache.dtype == cos.dtype and cos.is_contiguous() and sin.is_contiguous()
+    model = tiny.random_model(tiny.text_config(), seed=6)
+    model.setup_cache(2, 16)
+    tokens = torch.randint(0, 96, (2, 6))
+    with torch.no_grad():
+        want = [model(tokens, start_pos=0, last_only=True), model(tokens[:, :1], start_pos=6)]
+        calls = fake_gpu_kernels(monkeypatch, dict(mla_latent_to_cache=latent_to_cache))
+        got = [model(tokens, start_pos=0, last_only=True), model(tokens[:, :1], start_pos=6)]
+    assert calls.count("mla_latent_to_cache") == 2 * model.args.num_hidden_layers     # each call, each layer
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # K2.6 checkpoint layout, INT4, loader errors
 
