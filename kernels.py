@@ -6,7 +6,8 @@ the DDTree search, plus the INT4 format helpers.
                         GEMV for decode / verify (~17 instructions per int32 word of 8 weights; an expert that
                         several tokens chose comes from HBM once), tl.dot tiles for prefill
     mla_tree_attention  absorbed-MLA attention over the compressed cache, with a tree mask for the new tokens; on
-                        Hopper, from 64 query rows, a Gluon kernel (wgmma + TMA) that holds 64 rows per program
+                        Hopper, from 64 query rows, a Gluon kernel (wgmma + TMA) that holds 64 rows per program,
+                        and from 128 rows at long contexts its warp-specialized "seesaw" form (FlashMLA's schedule)
     rms_norm            RMSNorm in one launch instead of eight; with it the rest of a layer's decode glue (rope, the
                         cache write, add + norm, SwiGLU, routing top-k, the MoE pair sort), one launch each
     router_topk         the fp32 router matmul (split over D, exact products for bf16 inputs) + routing, two launches
@@ -27,6 +28,7 @@ Launch-config sweep on a GPU:                                       python kerne
 """
 import functools
 import os
+import statistics
 import sys
 import types
 
@@ -938,6 +940,17 @@ ATTN_WGMMA = dict(min_rows=64, min_work=2**20, max_split_len=1024, BLOCK_Q=64, B
 # ~301 KB of operands from shared memory (each warpgroup re-reads Q for its 32 keys), ~1.2 us of it at 128 B a cycle;
 # the rest is the tile's scores, softmax and P @ V waiting on each other. docs/BENCHMARKS.md (2026-11-30, eighth
 # session) has the roofline and the redesigns this points to.
+ATTN_SEESAW = dict(min_rows=128, min_work=2**19, max_split_len=1024, BLOCK_Q=64, BLOCK_S=32, STAGES=4,
+                   maxnreg=168, regs=240)
+# The warp-specialized "seesaw" variant (_mla_seesaw_kernel, below), used from two 64-row blocks (min_rows) and
+# min_work = rows x cache slots; its 32-key tiles in a 4-stage ring (~225 KB of shared memory with the 64-row query;
+# 64-key tiles leave room for 2 stages only and were slower: T = 17 / 33 at 32k 62.1 / 99.5 us cold).
+# H200 (2026-11-30, ninth session), cold-L2 us, wgmma kernel -> this one, B = 2 (prefixes S and S / 3), H/T/S:
+# 8/17/4096 27.2 -> 21.7, 8/17/8192 31.5 -> 29.2, 8/17/32k 71.5 -> 64.8, 8/33/8192 41.4 -> 35.3, 8/33/32k
+# 132.5 -> 107.2, 8/64/32k 146.2 -> 138.7, 64/9/4096 39.6 -> 35.4, 64/33/32k 467.6 -> 372.3; 8/16/4096 24.7 -> 24.8
+# and 64/9/32k 150.4 -> 155.3 (even); slower below min_work (8/17/1000 14.4 -> 17.4, 8/33/1000 18.8 -> 19.9) and at
+# 64 rows (64/1/4096 17.4 -> 20.8), so the plain wgmma kernel keeps those. B = 1, 8 heads, 32k: T = 9 (72 rows,
+# not used) 39.4 -> 38.1, T = 16 42.3 -> 39.7, T = 17 51.2 -> 43.7, T = 33 85.0 -> 72.9.
 
 
 @functools.lru_cache(maxsize=None)
@@ -945,14 +958,24 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _use_wgmma_attention(q_lat, cache, rows: int) -> bool:
-    c = ATTN_WGMMA
+def _hopper_fits(c: dict, q_lat, cache, rows: int, p_buffers: int = 1) -> bool:
+    # a Gluon stage-1 kernel with settings c runs here: Hopper (wgmma + TMA), 16-bit inputs, enough rows and work,
+    # the output half as one wgmma (N <= 256), and its query block, ring and P buffers in 227 KB of shared memory
     R, P = q_lat.shape[-1], cache.shape[-1] - q_lat.shape[-1]
-    smem = 2 * ((c["BLOCK_Q"] + c["STAGES"] * c["BLOCK_S"]) * (R + P) + c["BLOCK_Q"] * c["BLOCK_S"])
+    smem = 2 * ((c["BLOCK_Q"] + c["STAGES"] * c["BLOCK_S"]) * (R + P) + p_buffers * c["BLOCK_Q"] * c["BLOCK_S"])
     return (HAS_GLUON and not INTERPRETED and q_lat.is_cuda and q_lat.dtype in (torch.bfloat16, torch.float16)
-            and _capability(q_lat.device)[0] == 9                             # wgmma + TMA: Hopper only
+            and _capability(q_lat.device)[0] == 9
             and rows >= c["min_rows"] and rows * cache.shape[1] >= c["min_work"]
-            and R // 2 <= 256 and smem <= 227 * 1024)                         # wgmma N <= 256; shared memory
+            and R // 2 <= 256 and smem <= 227 * 1024)
+
+
+def _use_wgmma_attention(q_lat, cache, rows: int) -> bool:
+    return _hopper_fits(ATTN_WGMMA, q_lat, cache, rows)
+
+
+def _use_seesaw_attention(q_lat, cache, rows: int) -> bool:
+    # the output halves are column slices of a cache tile in shared memory: whole 128-byte swizzle rows (R % 128)
+    return _hopper_fits(ATTN_SEESAW, q_lat, cache, rows) and q_lat.shape[-1] % 128 == 0
 
 
 if HAS_GLUON:
@@ -964,12 +987,8 @@ if HAS_GLUON:
         # grid (q block, split, b) as _mla_split_kernel; 8 warps = 2 warpgroups
         b = gl.program_id(2)
         split = gl.program_id(1)
-        prefix = gl.load(prefix_ptr + b).to(gl.int32)
-        L = prefix + T
-        split_len = gl.cdiv(gl.maximum(gl.cdiv(L, NUM_SPLITS), MIN_SPLIT), BLOCK_S) * BLOCK_S    # as _split_len
-        s_start = split * split_len
+        prefix, L, s_start, s_end = _mla_split_range(prefix_ptr, b, split, T, NUM_SPLITS, MIN_SPLIT, BLOCK_S)
         if s_start < L:                                   # else beyond this row's keys; the merge never reads it
-            s_end = gl.minimum(s_start + split_len, L)
             n_tiles = gl.cdiv(s_end - s_start, BLOCK_S)
             dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
             # scores [BLOCK_Q, BLOCK_S]: warpgroup w takes key columns w*BLOCK_S/2.. ; output [BLOCK_Q, R]: latent
@@ -978,20 +997,8 @@ if HAS_GLUON:
                                                                instr_shape=[16, BLOCK_S // 2, 16])
             o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                                instr_shape=[16, R // 2, 16])
-            ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-
-            # the block's query rows r = t*H + h into shared memory, once (q_lat may be strided, as in the other)
-            rows_ld = gl.program_id(0) * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, ld_layout))
-            rmask = (rows_ld < T * H)[:, None]
-            q_rows = q_lat_ptr + b * stride_qb + (rows_ld // H) * stride_qt + (rows_ld % H) * stride_qh
-            q = gl.load(q_rows[:, None] + gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))[None, :],
-                        mask=rmask, other=0.0)
-            q_smem = gl.allocate_shared_memory(dtype, [BLOCK_Q, R],
-                                               gl.NVMMASharedLayout.get_default_for([BLOCK_Q, R], dtype), q)
-            qpe = gl.load(q_pe_ptr + (b * T * H + rows_ld)[:, None] * P
-                          + gl.arange(0, P, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=rmask, other=0.0)
-            qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_Q, P],
-                                                 gl.NVMMASharedLayout.get_default_for([BLOCK_Q, P], dtype), qpe)
+            q_smem, qpe_smem = _mla_query_smem(q_lat_ptr, q_pe_ptr, b, gl.program_id(0) * BLOCK_Q, T, H, stride_qb,
+                                               stride_qt, stride_qh, R, P, BLOCK_Q, R, 8)
             p_smem = gl.allocate_shared_memory(dtype, [BLOCK_Q, BLOCK_S],
                                                gl.NVMMASharedLayout.get_default_for([BLOCK_Q, BLOCK_S], dtype))
 
@@ -1022,11 +1029,7 @@ if HAS_GLUON:
                 sc = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 sc = warpgroup_mma(qpe_smem, pe.permute((1, 0)), sc, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                s = s_start + i * BLOCK_S + cols
-                j = s - prefix                                                   # tree slot index of key s
-                in_tree = ((bits[:, None] >> gl.maximum(j, 0)[None, :]) & 1) != 0
-                visible = ((s < prefix)[None, :] | ((j >= 0)[None, :] & in_tree)) & (s < s_end)[None, :]
-                scores = gl.where(visible, sc * sm_scale, float("-inf"))
+                scores = _mla_masked_scores(sc, s_start + i * BLOCK_S + cols, prefix, bits, s_end, sm_scale)
                 m_new = gl.maximum(m_i, gl.max(scores, 1))                      # a reduction across warpgroups
                 m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
                 p = gl.exp(scores - m_safe[:, None])
@@ -1064,19 +1067,240 @@ if HAS_GLUON:
         tma.async_copy_global_to_shared(kv_desc, [row, 0], bar, kv, pred=pred)
         tma.async_copy_global_to_shared(pe_desc, [row, R], bar, pe, pred=pred)
 
+    @gluon.jit
+    def _mla_split_range(prefix_ptr, b, split, T, NUM_SPLITS, MIN_SPLIT: gl.constexpr, BLOCK_S: gl.constexpr):
+        # this program's keys [s_start, s_end) of row b, split as _split_len does (s_start >= L: none)
+        prefix = gl.load(prefix_ptr + b).to(gl.int32)
+        L = prefix + T
+        split_len = gl.cdiv(gl.maximum(gl.cdiv(L, NUM_SPLITS), MIN_SPLIT), BLOCK_S) * BLOCK_S
+        s_start = split * split_len
+        return prefix, L, s_start, gl.minimum(s_start + split_len, L)
 
-def _mla_wgmma_split(q_lat, q_pe, cache, prefix_len, bits, softmax_scale, o_part, lse_part, grid):
-    # stage 1 on Hopper, grid (q blocks, splits, B) as sized by mla_tree_attention
+    @gluon.jit
+    def _mla_query_smem(q_lat_ptr, q_pe_ptr, b, q0, T, H, stride_qb, stride_qt, stride_qh, R: gl.constexpr,
+                        P: gl.constexpr, BLOCK_Q: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr):
+        # the block's query rows r = q0 + t*H + h into shared memory as wgmma operands, CHUNK latent columns at a
+        # time through the registers of WARPS warps (q_lat may be strided: the absorbed-query einsum's output)
+        dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
+        ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+        rows = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, ld_layout))
+        rmask = (rows < T * H)[:, None]
+        q_rows = q_lat_ptr + b * stride_qb + (rows // H) * stride_qt + (rows % H) * stride_qh
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_Q, R], gl.NVMMASharedLayout.get_default_for([BLOCK_Q, R], dtype))
+        for c in gl.static_range(R // CHUNK):
+            cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, ld_layout))
+            q_smem.slice(c * CHUNK, CHUNK, dim=1).store(gl.load(q_rows[:, None] + cols[None, :], mask=rmask, other=0.0))
+        qpe = gl.load(q_pe_ptr + (b * T * H + rows)[:, None] * P
+                      + gl.arange(0, P, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=rmask, other=0.0)
+        qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_Q, P],
+                                             gl.NVMMASharedLayout.get_default_for([BLOCK_Q, P], dtype), qpe)
+        return q_smem, qpe_smem
+
+    @gluon.jit
+    def _mla_masked_scores(sc, s, prefix, bits, s_end, sm_scale):
+        # the mask rule of _mla_split_kernel: the prefix, plus tree slot j = s - prefix where bit j of the row's word
+        # is set, and nothing at or past s_end
+        j = s - prefix
+        in_tree = ((bits[:, None] >> gl.maximum(j, 0)[None, :]) & 1) != 0
+        visible = ((s < prefix)[None, :] | ((j >= 0)[None, :] & in_tree)) & (s < s_end)[None, :]
+        return gl.where(visible, sc * sm_scale, float("-inf"))
+
+    # ------------------------------------------------------------------------------------------------------
+    # The "seesaw" variant of stage 1 (FlashMLA's schedule, in Gluon's warp specialization). Two math warpgroups
+    # own the two halves of the latent output, [64, R/2] fp32 each, as in _mla_wgmma_kernel; but a key tile's
+    # scores are computed whole by one of them, alternately (warpgroup w takes tiles w, w+2, ...), so neither
+    # waits on a cross-warpgroup row reduction and one's softmax runs while the other's MMAs do. The running max is
+    # one sequence for both halves: the owner of tile i computes m_i = max(m_{i-1}, rowmax S_i) from the m_{i-1} the
+    # other handed over with P_{i-1}, and hands P_i (through shared memory) and m_i on. Each warpgroup multiplies
+    # every tile's P into its half: its own P from registers, the other's from shared memory. A 1-warp partition
+    # keeps a 4-stage ring of 32-key cache tiles loading by TMA. The row sums, kept per warpgroup against the same
+    # max sequence, add at the end.
+
+    @gluon.jit
+    def _mla_seesaw_loader(kv_desc, pe_desc, kv_smem, pe_smem, ready, empty, row0, n_tiles,
+                           R: gl.constexpr, BLOCK_S: gl.constexpr, STAGES: gl.constexpr):
+        for i in range(n_tiles):
+            stage = i % STAGES
+            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)   # both warpgroups done with tile i - STAGES
+            _mla_tile_load(kv_desc, pe_desc, ready.index(stage), kv_smem.index(stage), pe_smem.index(stage),
+                           row0 + i * BLOCK_S, True, R)
+
+    @gluon.jit
+    def _mla_seesaw_rescale(acc, l_own, m_run, m_new, o_layout: gl.constexpr):
+        # move the output half and row sums from max m_run to m_new (m_safe: a row with nothing visible yet stays 0)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp(m_run - m_safe)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        return acc, l_own * alpha, m_safe
+
+    @gluon.jit
+    def _mla_seesaw_other(j, acc, l_own, m_run, kv_smem, p_smem, m_smem, ready, p_ready,
+                          W: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr, o_layout: gl.constexpr,
+                          row_l: gl.constexpr):
+        # the other warpgroup's tile j into our half: wait for its P and max, rescale, issue P @ V (left in flight)
+        stage = j % STAGES
+        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+        mbarrier.wait(p_ready.index(1 - W), (j // 2) & 1)
+        m_new = m_smem.load(row_l)
+        acc, l_own, _ = _mla_seesaw_rescale(acc, l_own, m_run, m_new, o_layout)
+        acc = warpgroup_mma(p_smem, kv_smem.index(stage).slice(W * HALF, HALF, dim=1), acc, is_async=True)
+        return acc, l_own, m_new
+
+    @gluon.jit
+    def _mla_seesaw_own(i, HAS_OTHER: gl.constexpr, acc, l_own, m_run, q_smem, qpe_smem, kv_smem, pe_smem, p_smem,
+                        m_smem, ready, empty, p_ready, bits, cols, s_zero, sm_scale, prefix, s_start, s_end,
+                        W: gl.constexpr, HALF: gl.constexpr, BLOCK_S: gl.constexpr, STAGES: gl.constexpr,
+                        o_layout: gl.constexpr, row_l: gl.constexpr):
+        # our tile i: (1) its score MMAs, issued first; (2) the other's tile i - 1 into our half, whose P @ V runs
+        # under (3) our softmax; (4) P_i and m_i handed over (the one P buffer is ours to write once our P @ V of
+        # P_{i-1} is done: the other writes it next only after reading P_i); (5) our P_i @ V_i, P from registers
+        stage = i % STAGES
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        kv = kv_smem.index(stage)
+        sc = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma(qpe_smem, pe_smem.index(stage).permute((1, 0)), sc, is_async=True)
+        if HAS_OTHER:
+            acc, l_own, m_run = _mla_seesaw_other(i - 1, acc, l_own, m_run, kv_smem, p_smem, m_smem, ready, p_ready,
+                                                  W, HALF, STAGES, o_layout, row_l)
+            sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
+        else:
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+        scores = _mla_masked_scores(sc, s_start + i * BLOCK_S + cols, prefix, bits, s_end, sm_scale)
+        m_new = gl.maximum(m_run, gl.max(scores, 1))
+        if HAS_OTHER:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((i - 1) % STAGES))
+        acc, l_own, m_safe = _mla_seesaw_rescale(acc, l_own, m_run, m_new, o_layout)
+        p32 = gl.exp(scores - m_safe[:, None])                                            # [BLOCK_Q, BLOCK_S]
+        l_own = l_own + gl.sum(p32, 1)
+        p = p32.to(p_smem.dtype)
+        p_smem.store(p)
+        m_smem.store(m_new)
+        fence_async_shared()                     # the other's wgmma reads P through the async proxy
+        gl.thread_barrier()                      # every thread's part of P and m written before the one arrive
+        mbarrier.arrive(p_ready.index(W))
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        acc = warpgroup_mma(gl.convert_layout(p, a_layout), kv.slice(W * HALF, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(stage))
+        return acc, l_own, m_new
+
+    @gluon.jit
+    def _mla_seesaw_math(W: gl.constexpr, q_smem, qpe_smem, kv_smem, pe_smem, p_smem, m_smem, l_smem, ready, empty,
+                         p_ready, l_ready, bits_ptr, o_ptr, lse_ptr, sm_scale, prefix, s_start, s_end, n_tiles, q0,
+                         b, split, T, H, NUM_SPLITS, R: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_S: gl.constexpr,
+                         STAGES: gl.constexpr):
+        # math warpgroup W (4 warps): the tiles W, W + 2, ... and output columns [W * R/2, (W + 1) * R/2)
+        HALF: gl.constexpr = R // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_S, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        rows = q0 + gl.arange(0, BLOCK_Q, layout=row_l)
+        bits = gl.load(bits_ptr + b * T + rows // H, mask=rows < T * H, other=0)      # [BLOCK_Q] tree-mask words
+        cols = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(0, s_layout))
+        m_run = gl.full([BLOCK_Q], float("-inf"), gl.float32, layout=row_l)            # max after the last tile
+        l_own = gl.zeros([BLOCK_Q], gl.float32, layout=row_l)                          # sum of our tiles' P
+        acc = gl.zeros([BLOCK_Q, HALF], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_Q, BLOCK_S], gl.float32, layout=s_layout)
+        if W == 0:                               # tile 0: no tile of the other warpgroup before it
+            acc, l_own, m_run = _mla_seesaw_own(0, False, acc, l_own, m_run, q_smem, qpe_smem, kv_smem, pe_smem,
+                                                p_smem, m_smem, ready, empty, p_ready, bits, cols, s_zero, sm_scale,
+                                                prefix, s_start, s_end, W, HALF, BLOCK_S, STAGES, o_layout, row_l)
+        for i in range(2 - W, n_tiles, 2):
+            acc, l_own, m_run = _mla_seesaw_own(i, True, acc, l_own, m_run, q_smem, qpe_smem, kv_smem, pe_smem,
+                                                p_smem, m_smem, ready, empty, p_ready, bits, cols, s_zero, sm_scale,
+                                                prefix, s_start, s_end, W, HALF, BLOCK_S, STAGES, o_layout, row_l)
+        last = n_tiles - 1
+        if last % 2 != W:                        # the split ends on the other's tile
+            acc, l_own, m_run = _mla_seesaw_other(last, acc, l_own, m_run, kv_smem, p_smem, m_smem, ready, p_ready,
+                                                  W, HALF, STAGES, o_layout, row_l)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(last % STAGES))
+
+        # both halves followed the same max sequence: the row sums add
+        l_smem.slice(W * BLOCK_Q, BLOCK_Q).store(l_own)
+        gl.thread_barrier()
+        mbarrier.arrive(l_ready)
+        mbarrier.wait(l_ready, 0)
+        l_tot = l_smem.slice(0, BLOCK_Q).load(row_l) + l_smem.slice(BLOCK_Q, BLOCK_Q).load(row_l)
+        l_o = gl.convert_layout(l_tot, gl.SliceLayout(1, o_layout))
+        seen = l_o > 0
+        o = gl.where(seen[:, None], acc / gl.where(seen, l_o, 1.0)[:, None], 0.0)
+        rows_o = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, o_layout))
+        part = (b * NUM_SPLITS + split) * T * H + rows_o        # o_part [B, NS, T*H, R], lse_part [B, NS, T*H]
+        offs_r = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+        gl.store(o_ptr + part[:, None].to(gl.int64) * R + offs_r[None, :], o, mask=(rows_o < T * H)[:, None])
+        if W == 0:
+            m_o = gl.convert_layout(m_run, gl.SliceLayout(1, o_layout))
+            lse = gl.where(seen, m_o + gl.log(gl.where(seen, l_o, 1.0)), float("-inf"))
+            gl.store(lse_ptr + part, lse, mask=rows_o < T * H)
+
+    @gluon.jit
+    def _mla_seesaw_kernel(q_lat_ptr, q_pe_ptr, kv_desc, pe_desc, prefix_ptr, bits_ptr, o_ptr, lse_ptr,
+                           sm_scale, T, H, NUM_SPLITS, S_SLOTS, stride_qb, stride_qt, stride_qh,
+                           R: gl.constexpr, P: gl.constexpr, MIN_SPLIT: gl.constexpr, BLOCK_Q: gl.constexpr,
+                           BLOCK_S: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr):
+        # grid (q block, split, b) as _mla_split_kernel; 4 warps here (math warpgroup 0), + 4 (math warpgroup 1)
+        # + 1 (loads) in the warp-specialized part
+        b = gl.program_id(2)
+        split = gl.program_id(1)
+        prefix, L, s_start, s_end = _mla_split_range(prefix_ptr, b, split, T, NUM_SPLITS, MIN_SPLIT, BLOCK_S)
+        if s_start < L:
+            n_tiles = gl.cdiv(s_end - s_start, BLOCK_S)
+            dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
+            q0 = gl.program_id(0) * BLOCK_Q
+            q_smem, qpe_smem = _mla_query_smem(q_lat_ptr, q_pe_ptr, b, q0, T, H, stride_qb, stride_qt, stride_qh,
+                                               R, P, BLOCK_Q, 64, 4)
+            p_smem = gl.allocate_shared_memory(dtype, [BLOCK_Q, BLOCK_S],
+                                               gl.NVMMASharedLayout.get_default_for([BLOCK_Q, BLOCK_S], dtype))
+            flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+            m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_Q], flat)            # the max handed over
+            l_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_Q], flat)        # both row sums, at the end
+            kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_S, R], kv_desc.layout)
+            pe_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_S, P], pe_desc.layout)
+            bar: gl.constexpr = mbarrier.MBarrierLayout()
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)      # tile landed (TMA bytes)
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)      # both warpgroups done with it
+            p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)         # warpgroup w's P and max written
+            l_ready = gl.allocate_shared_memory(gl.int64, [1], bar)            # both row sums written
+            for i in gl.static_range(STAGES):
+                mbarrier.init(ready.index(i), count=1)
+                mbarrier.init(empty.index(i), count=2)
+            for i in gl.static_range(2):
+                mbarrier.init(p_ready.index(i), count=1)
+            mbarrier.init(l_ready, count=2)
+            fence_async_shared()
+            gl.thread_barrier()
+            gl.warp_specialize([  # (a tuple built by `+` would lose its constexprs: each argument list in full)
+                (_mla_seesaw_math, (0, q_smem, qpe_smem, kv_smem, pe_smem, p_smem, m_smem, l_smem, ready, empty,
+                                    p_ready, l_ready, bits_ptr, o_ptr, lse_ptr, sm_scale, prefix, s_start, s_end,
+                                    n_tiles, q0, b, split, T, H, NUM_SPLITS, R, BLOCK_Q, BLOCK_S, STAGES)),
+                (_mla_seesaw_math, (1, q_smem, qpe_smem, kv_smem, pe_smem, p_smem, m_smem, l_smem, ready, empty,
+                                    p_ready, l_ready, bits_ptr, o_ptr, lse_ptr, sm_scale, prefix, s_start, s_end,
+                                    n_tiles, q0, b, split, T, H, NUM_SPLITS, R, BLOCK_Q, BLOCK_S, STAGES)),
+                (_mla_seesaw_loader, (kv_desc, pe_desc, kv_smem, pe_smem, ready, empty, b * S_SLOTS + s_start,
+                                      n_tiles, R, BLOCK_S, STAGES)),
+            ], [4, 1], [REGS, 24])
+
+
+def _mla_hopper_split(c: dict, q_lat, q_pe, cache, prefix_len, bits, softmax_scale, o_part, lse_part, grid):
+    # stage 1 on Hopper, grid (q blocks, splits, B) as sized by mla_tree_attention; c: ATTN_WGMMA or ATTN_SEESAW
     _, T, H, R = q_lat.shape
-    P, c = q_pe.shape[-1], ATTN_WGMMA
+    P = q_pe.shape[-1]
     gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[cache.dtype]
     rows2d = cache.view(-1, R + P)                                       # [B * S, R + P]: one TMA descriptor each
     descs = [TensorDescriptor(rows2d, list(rows2d.shape), list(rows2d.stride()), [c["BLOCK_S"], n],
                               gl.NVMMASharedLayout.get_default_for([c["BLOCK_S"], n], gdt)) for n in (R, P)]
-    _mla_wgmma_kernel[grid](
-        q_lat, q_pe, *descs, prefix_len, bits, o_part, lse_part, softmax_scale, T, H, grid[1], cache.shape[1],
-        *q_lat.stride()[:3], R=R, P=P, MIN_SPLIT=ATTN_SPLITS["min_split_len"], BLOCK_Q=c["BLOCK_Q"],
-        BLOCK_S=c["BLOCK_S"], STAGES=c["STAGES"], num_warps=c["num_warps"])
+    args = (q_lat, q_pe, *descs, prefix_len, bits, o_part, lse_part, softmax_scale, T, H, grid[1], cache.shape[1],
+            *q_lat.stride()[:3])
+    blocks = dict(R=R, P=P, MIN_SPLIT=ATTN_SPLITS["min_split_len"], BLOCK_Q=c["BLOCK_Q"], BLOCK_S=c["BLOCK_S"],
+                  STAGES=c["STAGES"])
+    if c is ATTN_SEESAW:   # maxnreg: 12 warps' registers, which the partitions then re-divide (REGS, 24, the rest)
+        _mla_seesaw_kernel[grid](*args, **blocks, REGS=c["regs"], num_warps=4, maxnreg=c["maxnreg"])
+    else:
+        _mla_wgmma_kernel[grid](*args, **blocks, num_warps=c["num_warps"])
 
 
 def _num_splits(S: int, max_splits: int, min_split_len: int, waves: float, programs: int, device) -> int:
@@ -1118,18 +1342,19 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     assert out.shape == q_lat.shape and out.dtype == q_lat.dtype and out.is_contiguous(), "out: like q_lat, contiguous"
 
     rows = T * H
-    wgmma = _use_wgmma_attention(q_lat, cache, rows)
-    wide = not wgmma and rows >= ATTN_WIDE["min_rows"]
-    cfg = ATTN_WGMMA if wgmma else {k: ATTN_WIDE[k] for k in ATTN_BLOCKS} if wide else ATTN_BLOCKS
+    hopper = (ATTN_SEESAW if _use_seesaw_attention(q_lat, cache, rows) else
+              ATTN_WGMMA if _use_wgmma_attention(q_lat, cache, rows) else None)
+    wide = hopper is None and rows >= ATTN_WIDE["min_rows"]
+    cfg = hopper or ({k: ATTN_WIDE[k] for k in ATTN_BLOCKS} if wide else ATTN_BLOCKS)
     BLOCK_Q, BLOCK_S, MIN_SPLIT = cfg["BLOCK_Q"], cfg["BLOCK_S"], ATTN_SPLITS["min_split_len"]
     assert MIN_SPLIT % BLOCK_S == 0, "min_split_len must be a multiple of BLOCK_S"
     n_qblocks = triton.cdiv(rows, BLOCK_Q)
 
     def splits(waves: float) -> int:
         return _num_splits(cache.shape[1], ATTN_SPLITS["max_splits"], MIN_SPLIT, waves, B * n_qblocks, q_lat.device)
-    if wgmma:   # one wave, or two where one would make the splits longer than max_split_len
+    if hopper:  # one wave, or two where one would make the splits longer than max_split_len
         num_splits = splits(1)
-        if triton.cdiv(cache.shape[1], num_splits) > ATTN_WGMMA["max_split_len"]:
+        if triton.cdiv(cache.shape[1], num_splits) > hopper["max_split_len"]:
             num_splits = splits(2)
     else:
         num_splits = splits(ATTN_WIDE["waves"] if wide else ATTN_SPLITS["waves"])
@@ -1137,9 +1362,9 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     bits = tree_mask.contiguous() if packed else tree_mask_bits(tree_mask)       # [B, T] int64
     o_part = _empty((B, num_splits, T * H, R), torch.float32, q_lat.device)
     lse_part = _empty((B, num_splits, T * H), torch.float32, q_lat.device)
-    if wgmma:
-        _mla_wgmma_split(q_lat, q_pe, cache, prefix_len, bits, softmax_scale, o_part, lse_part,
-                         (n_qblocks, num_splits, B))
+    if hopper:
+        _mla_hopper_split(hopper, q_lat, q_pe, cache, prefix_len, bits, softmax_scale, o_part, lse_part,
+                          (n_qblocks, num_splits, B))
     else:
         _mla_split_kernel[(n_qblocks, num_splits, B)](
             q_lat, q_pe, cache, prefix_len, bits, o_part, lse_part,
@@ -2126,6 +2351,21 @@ def _time(fn):
     return eager, graph
 
 
+def event_median_us(fn, n: int = 25, before=lambda: None) -> float:
+    """Median us of fn() between two CUDA events, over n runs; before() runs untimed ahead of each (bench.py uses
+    it to restore a step's state)."""
+    times = []
+    for _ in range(n):
+        before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
 def _graph_replay_us(fn, n: int = 25) -> float:
     """Median us of replaying fn captured in a CUDA graph, one replay at a time between CUDA events."""
     fn()
@@ -2133,15 +2373,7 @@ def _graph_replay_us(fn, n: int = 25) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[n // 2]
+    return event_median_us(g.replay, n)
 
 
 def _time_cold(fn) -> float:
@@ -2229,7 +2461,7 @@ def gpu_selftest(tol=2e-2) -> bool:
 
     peak = _mma_peak()
     print("\nmla_tree_attention: R=512, P=64, B=1, random tree (packed mask rows, as the model passes them); GB/s = cache bytes read (prefix+T) * 576 * 2 / time")
-    print(f"MMA TF/s = flops as run (T*H rows in whole blocks of 64 on the wgmma path, 16 otherwise) / time; floor = "
+    print(f"MMA TF/s = flops as run (T*H rows in whole blocks of 64 on the Hopper paths, 16 otherwise) / time; floor = "
           f"max(bytes / copy bandwidth, flops of the T*H rows / {peak:.0f} TF/s, a bf16 8192^3 matmul in this run)")
     print(f"{'H':>3} {'T':>3} {'prefix':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'cold us':>8} "
           f"{'GB/s':>7} {'% bw':>6} {'MMA TF/s':>8} {'floor us':>8} {'% floor':>7}")
@@ -2292,27 +2524,31 @@ def sweep():
 
     R, P = 512, 64
     attn = {}
-    for H, T, prefix in ((8, 1, 32768), (8, 9, 32768), (8, 17, 32768), (64, 9, 4096)):
+    for H, T, prefix in ((8, 1, 32768), (8, 9, 32768), (8, 17, 32768), (8, 33, 32768), (64, 9, 4096)):
         cache = torch.randn(1, prefix + T, R + P, device=dev, dtype=dtype)
         a = (torch.randn(1, T, H, R, device=dev, dtype=dtype), torch.randn(1, T, H, P, device=dev, dtype=dtype), cache,
              torch.tensor([prefix], device=dev),
              tree_mask_bits(torch.ones(1, T, T, dtype=torch.bool, device=dev).tril()), 0.14468)
         attn[(H, T, prefix)] = (lambda a: lambda: mla_tree_attention(*a))(a)
     print(f"mla_tree_attention, us at (H, T, prefix) = {list(attn)}; defaults {ATTN_BLOCKS} {ATTN_SPLITS} "
-          f"{ATTN_WGMMA}")
+          f"{ATTN_WGMMA} {ATTN_SEESAW}")
     g = globals()                               # the wrappers read these module globals at call time
-    hopper = g["ATTN_WGMMA"]
-    g["ATTN_WGMMA"] = dict(hopper, min_rows=float("inf"))   # the Triton kernel's tiles, at every shape
+    hopper = {name: g[name] for name in ("ATTN_WGMMA", "ATTN_SEESAW")}
+    for name, c in hopper.items():              # the Triton kernel's tiles, at every shape
+        g[name] = dict(c, min_rows=float("inf"))
     grid = [dict(BLOCK_Q=q, BLOCK_S=bs, num_warps=nw, num_stages=st)
             for q, bs, nw, st in itertools.product((16, 32), (16, 32, 64), (4, 8), (1, 2, 3))]
     run(g, "ATTN_BLOCKS", grid, attn)
-    g["ATTN_WGMMA"] = hopper
+    g.update(hopper)
     splits = [dict(max_splits=m, min_split_len=n, waves=w) for m in (64, 256) for n in (64, 128, 256) for w in (1, 2, 4)]
     run(g, "ATTN_SPLITS", splits, attn)
     if HAS_GLUON and _capability(dev)[0] == 9:  # the Hopper kernel's ring (the configurations that fit 227 KB)
         ring = [dict(BLOCK_S=bs, STAGES=st, max_split_len=m) for bs, st in ((64, 2), (32, 3), (32, 4))
                 for m in (512, 1024, 4096)]
         run(g, "ATTN_WGMMA", ring, attn)
+        ring = [dict(STAGES=st, max_split_len=m, min_work=w) for st in (3, 4) for m in (512, 1024, 4096)
+                for w in (2**19, 2**21)]
+        run(g, "ATTN_SEESAW", ring, attn)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ is imported, and in this process pytest (or another test module) may have import
 """
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -740,28 +741,37 @@ def check_attention_kernel(args, dtype, what):
 
 
 HOPPER = KERNEL_DEVICE == "cuda" and kernels.HAS_GLUON and torch.cuda.get_device_capability()[0] == 9
-WGMMA_CASES = [  # T, H, R, P, prefixes, mask kind, max_split_len (small: two waves of splits)
-    (9, 8, 32, 16, [1000, 3], "bushy", 1024),      # 72 rows: a full 64-row block and a partial one
-    (1, 64, 32, 16, [500, 0], "chain", 1024),      # exactly one block; an empty prefix
-    (17, 2, 32, 16, [0, 200], "holes", 64),        # rows with nothing visible -> zeros; two waves of splits
-    (64, 1, 32, 16, [5, 70], "bushy", 1024),       # tree slot 63 is the sign bit of the mask word
-    (9, 8, 512, 64, [3000], "bushy", 1024),        # K2.6 dims: the ~225 KB shared-memory configuration
+HOPPER_CASES = [  # kernel, T, H, R, P, prefixes, mask kind, max_split_len (small: two waves of splits)
+    ("wgmma", 9, 8, 32, 16, [1000, 3], "bushy", 1024),     # 72 rows: a full 64-row block and a partial one
+    ("wgmma", 1, 64, 32, 16, [500, 0], "chain", 1024),     # exactly one block; an empty prefix
+    ("wgmma", 17, 2, 32, 16, [0, 200], "holes", 64),       # rows with nothing visible -> zeros; two waves of splits
+    ("wgmma", 64, 1, 32, 16, [5, 70], "bushy", 1024),      # tree slot 63 is the sign bit of the mask word
+    ("wgmma", 9, 8, 512, 64, [3000], "bushy", 1024),       # K2.6 dims: the ~225 KB shared-memory configuration
+    # the seesaw: splits of odd and even tile counts (one 32-key tile: prefix 3 + 17), so either warpgroup ends
+    ("seesaw", 17, 8, 128, 64, [1000, 3], "bushy", 1024),  # 136 rows: two full blocks and a partial one
+    ("seesaw", 9, 16, 128, 32, [0, 200], "holes", 64),     # empty rows -> zeros; two waves of splits
+    ("seesaw", 64, 2, 128, 16, [5, 70], "bushy", 1024),    # exactly two blocks; tree slot 63
+    ("seesaw", 9, 64, 512, 64, [3000], "bushy", 1024),     # K2.6 dims at 64 heads (576 rows)
+    ("seesaw", 33, 8, 512, 64, [2000, 31], "chain", 256),  # K2.6 dims at 8 heads, verify of a 33-node tree
 ]
 
 
 @pytest.mark.skipif(not HOPPER, reason="wgmma and TMA: an sm_90 GPU and triton >= 3.6 (Gluon); on CPU "
-                                       "test_mla_wgmma_kernel_compiles_for_hopper builds it")
+                                       "test_mla_hopper_kernels_compile_for_hopper builds them")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("T, H, R, P, prefixes, kind, max_split_len", WGMMA_CASES)
-def test_mla_wgmma_attention_kernel(T, H, R, P, prefixes, kind, max_split_len, dtype, monkeypatch):
-    """The Hopper stage 1 (_mla_wgmma_kernel) == the reference, forced on at small shapes with several splits."""
+@pytest.mark.parametrize("kernel, T, H, R, P, prefixes, kind, max_split_len", HOPPER_CASES)
+def test_mla_hopper_attention_kernel(kernel, T, H, R, P, prefixes, kind, max_split_len, dtype, monkeypatch):
+    """The Hopper stage 1 (_mla_wgmma_kernel or _mla_seesaw_kernel) == the reference, forced on at small shapes
+    with several splits, the other kept off."""
     monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
-    monkeypatch.setattr(kernels, "ATTN_WGMMA", dict(kernels.ATTN_WGMMA, min_rows=0, min_work=0,
-                                                    max_split_len=max_split_len))
+    on, off = dict(min_rows=0, min_work=0, max_split_len=max_split_len), dict(min_rows=float("inf"))
+    for name, cfg in (("wgmma", "ATTN_WGMMA"), ("seesaw", "ATTN_SEESAW")):
+        monkeypatch.setattr(kernels, cfg, dict(getattr(kernels, cfg), **(on if name == kernel else off)))
     monkeypatch.setattr(kernels, "ATTN_SPLITS", dict(kernels.ATTN_SPLITS, max_splits=8, min_split_len=64))
     args = make_attn(len(prefixes), T, H, R, P, prefixes, kind, dtype, KERNEL_DEVICE, seed=T + H + R)
-    assert kernels._use_wgmma_attention(args[0], args[2], T * H)
-    out, packed = check_attention_kernel(args, dtype, f"wgmma attn T={T} H={H} R={R} {prefixes} {kind} {dtype}")
+    use = kernels._use_seesaw_attention if kernel == "seesaw" else kernels._use_wgmma_attention
+    assert use(args[0], args[2], T * H)
+    out, packed = check_attention_kernel(args, dtype, f"{kernel} attn T={T} H={H} R={R} {prefixes} {kind} {dtype}")
     # captured in a CUDA graph (the TMA descriptors are kernel arguments, filled at capture), replayed on new
     # inputs written in place: the eager result for those inputs
     g_out = torch.empty_like(out)
@@ -780,25 +790,29 @@ def test_mla_wgmma_attention_kernel(T, H, R, P, prefixes, kind, max_split_len, d
     assert torch.equal(g_out, kernels.mla_tree_attention(*packed))
 
 
-def wgmma_sm90_build() -> dict:
-    """Compile _mla_wgmma_kernel at K2.6 dims for sm_90 on this machine (Gluon -> PTX -> ptxas; no GPU needed) and
-    report what the build holds: shared memory, warpgroup MMAs, TMA copies, ptxas' register and spill summary."""
+def wgmma_sm90_build(seesaw: bool = False) -> dict:
+    """Compile _mla_wgmma_kernel (or _mla_seesaw_kernel) at K2.6 dims for sm_90 on this machine (Gluon -> PTX ->
+    ptxas; no GPU needed) and report what the build holds: shared memory, warpgroup MMAs, TMA copies, register
+    re-division between the partitions (setmaxnreg), ptxas' register and spill summary."""
     import tempfile
     import triton.backends.nvidia
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    gl, c, R, P = kernels.gl, kernels.ATTN_WGMMA, 512, 64
+    gl, R, P = kernels.gl, 512, 64
+    c = kernels.ATTN_SEESAW if seesaw else kernels.ATTN_WGMMA
     desc = {n: f"tensordesc<bf16[{c['BLOCK_S']}, {n}],"
                f"{gl.NVMMASharedLayout.get_default_for([c['BLOCK_S'], n], gl.bfloat16)!r}>" for n in (R, P)}
     sig = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", kv_desc=desc[R], pe_desc=desc[P], prefix_ptr="*i64",
                bits_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32", sm_scale="fp32", T="i32", H="i32",
                NUM_SPLITS="i32", S_SLOTS="i32", stride_qb="i32", stride_qt="i32", stride_qh="i32")
     consts = dict(R=R, P=P, MIN_SPLIT=kernels.ATTN_SPLITS["min_split_len"], BLOCK_Q=c["BLOCK_Q"],
-                  BLOCK_S=c["BLOCK_S"], STAGES=c["STAGES"])
+                  BLOCK_S=c["BLOCK_S"], STAGES=c["STAGES"], **(dict(REGS=c["regs"]) if seesaw else {}))
     sig.update({k: "constexpr" for k in consts})
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*")}
-    k = kernels.triton.compile(GluonASTSource(kernels._mla_wgmma_kernel, sig, consts, aligned),
-                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=c["num_warps"]))
+    kernel = kernels._mla_seesaw_kernel if seesaw else kernels._mla_wgmma_kernel
+    options = dict(num_warps=4, maxnreg=c["maxnreg"]) if seesaw else dict(num_warps=c["num_warps"])
+    k = kernels.triton.compile(GluonASTSource(kernel, sig, consts, aligned), target=GPUTarget("cuda", 90, 32),
+                               options=options)
     ptx = k.asm["ptx"]
     ptxas = Path(triton.backends.nvidia.__file__).parent / "bin" / "ptxas"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -807,6 +821,7 @@ def wgmma_sm90_build() -> dict:
         info = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
                               capture_output=True, text=True, check=True).stderr
     return dict(shared=k.metadata.shared, wgmma=ptx.count("wgmma.mma_async"), tma="cp.async.bulk.tensor" in ptx,
+                setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                 ptxas=info)
 
 
@@ -824,20 +839,22 @@ def test_mla_attention_work_counts_whole_blocks():
 
 
 @pytest.mark.skipif(not kernels.HAS_GLUON, reason="Gluon needs triton >= 3.6")
-def test_mla_wgmma_kernel_compiles_for_hopper():
-    """No GPU needed: the Hopper attention kernel at K2.6 dims builds for sm_90 into warpgroup MMAs and TMA copies,
-    fits the 227 KB of shared memory and spills no register. In a fresh process: in the H200's full GPU run
+@pytest.mark.parametrize("seesaw", [False, True], ids=["wgmma", "seesaw"])
+def test_mla_hopper_kernels_compile_for_hopper(seesaw):
+    """No GPU needed: each Hopper attention kernel at K2.6 dims builds for sm_90 into warpgroup MMAs and TMA copies,
+    fits the 227 KB of shared memory and spills no register; the seesaw's partitions get their registers
+    (setmaxnreg: the math warpgroups' count, 24 for the loader). In a fresh process: in the H200's full GPU run
     (2026-11-30) this test failed after the ~160 tests before it and passed on its own (the failure's message was
     cut off), so the build no longer shares a process with what ran before."""
     import json
-    import re
-    code = "import json, test_kernels as t; print(json.dumps(t.wgmma_sm90_build()))"
+    code = f"import json, test_kernels as t; print(json.dumps(t.wgmma_sm90_build({seesaw})))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "tests", capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    c = kernels.ATTN_WGMMA
+    c = kernels.ATTN_SEESAW if seesaw else kernels.ATTN_WGMMA
     assert got["wgmma"] >= (512 + 64 + c["BLOCK_S"]) // 16 and got["tma"], got
+    assert not seesaw or {c["regs"], 24} <= set(got["setmaxnreg"]), got["setmaxnreg"]
     assert got["shared"] <= 227 * 1024, f"{got['shared']} bytes of shared memory"
     info = got["ptxas"]
     assert re.search(r"\b0 bytes spill stores", info) and re.search(r"\b0 bytes spill loads", info), info
