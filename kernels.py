@@ -958,11 +958,11 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _hopper_fits(c: dict, q_lat, cache, rows: int, p_buffers: int = 1) -> bool:
+def _hopper_fits(c: dict, q_lat, cache, rows: int) -> bool:
     # a Gluon stage-1 kernel with settings c runs here: Hopper (wgmma + TMA), 16-bit inputs, enough rows and work,
-    # the output half as one wgmma (N <= 256), and its query block, ring and P buffers in 227 KB of shared memory
+    # the output half as one wgmma (N <= 256), and its query block, ring and P tile in 227 KB of shared memory
     R, P = q_lat.shape[-1], cache.shape[-1] - q_lat.shape[-1]
-    smem = 2 * ((c["BLOCK_Q"] + c["STAGES"] * c["BLOCK_S"]) * (R + P) + p_buffers * c["BLOCK_Q"] * c["BLOCK_S"])
+    smem = 2 * ((c["BLOCK_Q"] + c["STAGES"] * c["BLOCK_S"]) * (R + P) + c["BLOCK_Q"] * c["BLOCK_S"])
     return (HAS_GLUON and not INTERPRETED and q_lat.is_cuda and q_lat.dtype in (torch.bfloat16, torch.float16)
             and _capability(q_lat.device)[0] == 9
             and rows >= c["min_rows"] and rows * cache.shape[1] >= c["min_work"]
@@ -1086,10 +1086,12 @@ if HAS_GLUON:
         rows = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, ld_layout))
         rmask = (rows < T * H)[:, None]
         q_rows = q_lat_ptr + b * stride_qb + (rows // H) * stride_qt + (rows % H) * stride_qh
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_Q, R], gl.NVMMASharedLayout.get_default_for([BLOCK_Q, R], dtype))
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_Q, R],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_Q, R], dtype))
         for c in gl.static_range(R // CHUNK):
             cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, ld_layout))
-            q_smem.slice(c * CHUNK, CHUNK, dim=1).store(gl.load(q_rows[:, None] + cols[None, :], mask=rmask, other=0.0))
+            q = gl.load(q_rows[:, None] + cols[None, :], mask=rmask, other=0.0)           # [BLOCK_Q, CHUNK]
+            q_smem.slice(c * CHUNK, CHUNK, dim=1).store(q)
         qpe = gl.load(q_pe_ptr + (b * T * H + rows)[:, None] * P
                       + gl.arange(0, P, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=rmask, other=0.0)
         qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_Q, P],
