@@ -1287,8 +1287,10 @@ if HAS_GLUON:
             ], [4, 1], [REGS, 24])
 
 
+@torch.compiler.disable
 def _mla_hopper_split(c: dict, q_lat, q_pe, cache, prefix_len, bits, softmax_scale, o_part, lse_part, grid):
-    # stage 1 on Hopper, grid (q blocks, splits, B) as sized by mla_tree_attention; c: ATTN_WGMMA or ATTN_SEESAW
+    # stage 1 on Hopper, grid (q blocks, splits, B) as sized by mla_tree_attention; c: ATTN_WGMMA or ATTN_SEESAW.
+    # Opaque to torch.compile, as fused_moe_w4a16 is: dynamo would take a Gluon kernel for a Triton one to rebuild
     _, T, H, R = q_lat.shape
     P = q_pe.shape[-1]
     gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[cache.dtype]
