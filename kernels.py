@@ -978,6 +978,16 @@ def _use_seesaw_attention(q_lat, cache, rows: int) -> bool:
     return _hopper_fits(ATTN_SEESAW, q_lat, cache, rows) and q_lat.shape[-1] % 128 == 0
 
 
+def _attention_path(q_lat, cache, rows: int) -> tuple[dict | None, bool, dict]:
+    """mla_tree_attention's stage 1 for these shapes: (the Hopper kernel's settings, ATTN_SEESAW or ATTN_WGMMA, or
+    None for the Triton kernel; wide: the Triton kernel's 64-row tiles (ATTN_WIDE) instead of ATTN_BLOCKS' 16;
+    the block settings that run). The self-test counts the compute floor in the same blocks."""
+    hopper = (ATTN_SEESAW if _use_seesaw_attention(q_lat, cache, rows) else
+              ATTN_WGMMA if _use_wgmma_attention(q_lat, cache, rows) else None)
+    wide = hopper is None and rows >= ATTN_WIDE["min_rows"]
+    return hopper, wide, hopper or ({k: ATTN_WIDE[k] for k in ATTN_BLOCKS} if wide else ATTN_BLOCKS)
+
+
 if HAS_GLUON:
     @gluon.jit
     def _mla_wgmma_kernel(q_lat_ptr, q_pe_ptr, kv_desc, pe_desc, prefix_ptr, bits_ptr, o_ptr, lse_ptr,
@@ -1346,10 +1356,7 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     assert out.shape == q_lat.shape and out.dtype == q_lat.dtype and out.is_contiguous(), "out: like q_lat, contiguous"
 
     rows = T * H
-    hopper = (ATTN_SEESAW if _use_seesaw_attention(q_lat, cache, rows) else
-              ATTN_WGMMA if _use_wgmma_attention(q_lat, cache, rows) else None)
-    wide = hopper is None and rows >= ATTN_WIDE["min_rows"]
-    cfg = hopper or ({k: ATTN_WIDE[k] for k in ATTN_BLOCKS} if wide else ATTN_BLOCKS)
+    hopper, wide, cfg = _attention_path(q_lat, cache, rows)
     BLOCK_Q, BLOCK_S, MIN_SPLIT = cfg["BLOCK_Q"], cfg["BLOCK_S"], ATTN_SPLITS["min_split_len"]
     assert MIN_SPLIT % BLOCK_S == 0, "min_split_len must be a multiple of BLOCK_S"
     n_qblocks = triton.cdiv(rows, BLOCK_Q)
@@ -2465,7 +2472,7 @@ def gpu_selftest(tol=2e-2) -> bool:
 
     peak = _mma_peak()
     print("\nmla_tree_attention: R=512, P=64, B=1, random tree (packed mask rows, as the model passes them); GB/s = cache bytes read (prefix+T) * 576 * 2 / time")
-    print(f"MMA TF/s = flops as run (T*H rows in whole blocks of 64 on the Hopper paths, 16 otherwise) / time; floor = "
+    print(f"MMA TF/s = flops as run (T*H rows in whole query blocks, as the call runs them: 64 or 16) / time; floor = "
           f"max(bytes / copy bandwidth, flops of the T*H rows / {peak:.0f} TF/s, a bf16 8192^3 matmul in this run)")
     print(f"{'H':>3} {'T':>3} {'prefix':>7} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'cold us':>8} "
           f"{'GB/s':>7} {'% bw':>6} {'MMA TF/s':>8} {'floor us':>8} {'% floor':>7}")
@@ -2480,7 +2487,7 @@ def gpu_selftest(tol=2e-2) -> bool:
                     prefix_len = torch.tensor([prefix], device=dev)
                     parents = torch.tensor([-1] + [int(torch.randint(0, t, ())) for t in range(1, T)])
                     tree_mask = tree_mask_bits(ancestor_mask(parents)[None].to(dev))   # packed, as the model
-                    block = 64 if _use_wgmma_attention(q_lat, cache, T * H) or T * H >= ATTN_WIDE["min_rows"] else 16
+                    block = _attention_path(q_lat, cache, T * H)[2]["BLOCK_Q"]          # as the call runs it
                     work = mla_attention_work(T, H, prefix + T, R, P, block)
                     floor = max(work["bytes"] / bw / 1e3, work["flops"] / peak / 1e6)                  # us
 
