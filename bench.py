@@ -1359,8 +1359,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--vocab", type=int, default=163840, help="tree: vocabulary size of the draft logits (Kimi's)")
     t.add_argument("--tree-depth", type=int, default=7, help="tree: depths L (block_size - 1)")
     c = p.add_argument_group("common")
-    c.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: this rank's GPU, else the "
-                   "CPU); under torchrun the backend follows it: NCCL on GPUs, gloo on the CPU")
+    c.add_argument("--device", default=None, help=M.DEVICE_HELP)
     c.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--no-triton", action="store_true", help="force the PyTorch reference kernels")

@@ -642,8 +642,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show-tree", action="store_true", help="print each step's tree with the accepted path")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: this rank's GPU, else the "
-                   "CPU); under torchrun the backend follows it: NCCL on GPUs, gloo on the CPU")
+    p.add_argument("--device", default=None, help=M.DEVICE_HELP)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
     p.add_argument("--no-triton", action="store_true", help="force the PyTorch reference kernels")
     p.add_argument("--cuda-graph", action="store_true", help="replay each step as a captured CUDA graph")

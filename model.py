@@ -42,6 +42,10 @@ world_size = 1
 rank = 0
 
 
+DEVICE_HELP = ("cpu, cuda or cuda:N (default: this rank's GPU, else the CPU); under torchrun the backend follows it: "
+               "NCCL on GPUs, gloo on the CPU")          # generate.py's and bench.py's --device (init_distributed)
+
+
 def init_distributed(timeout_s: float = 300.0, device: str | None = None) -> torch.device:
     """Join the torchrun process group (NCCL on GPUs, gloo on CPU) and return this rank's device: `device` (a
     --device flag; "cuda" means this rank's GPU), else this rank's GPU if there is one, else the CPU. The backend
