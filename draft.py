@@ -282,7 +282,7 @@ class Attention(M.SharesRows):
         self.o_proj = Linear(H * self.hd, D, b, shard_dim=1)
         self.q_norm = RMSNorm(self.hd, a.rms_norm_eps)     # per head, before rope (Qwen3)
         self.k_norm = RMSNorm(self.hd, a.rms_norm_eps)
-        self.share()                             # qkv_weight [(H + 2 KV) hd / ws, D]
+        self.share()                             # qkv_weight [(H + 2 KV) hd / ws, D], qkv_bias (or None)
         # the Triton kernels tile head_dim with tl.arange / tl.dot: a power of two >= 16 (else the references)
         self.kernels_fit = self.hd >= 16 and self.hd & (self.hd - 1) == 0
 
@@ -302,9 +302,8 @@ class Attention(M.SharesRows):
         sits at prefix[b] ... -> [B, bs, D]. On a GPU: one GEMM, two kernels (kernels.qkv_norm_rope,
         kernels.block_attention) and o_proj."""
         B = x.shape[0]
-        qkv = M.linear_rows(x, self.qkv_weight, self.q_proj, self.k_proj, self.v_proj, split=False)  # [B, N, (H+2KV) hd]
-        if self.q_proj.bias is not None:
-            qkv = qkv + torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        qkv = M.linear_rows(x, self.qkv_weight, self.q_proj, self.k_proj, self.v_proj, split=False,
+                            bias=self.qkv_bias)                                           # [B, N, (H+2KV) hd]
         fast = M.fused(x.device) and self.kernels_fit
         q = (kernels.qkv_norm_rope if fast else kernels.qkv_norm_rope_ref)(
             qkv, self.n_heads, self.n_kv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,

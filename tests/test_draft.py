@@ -50,20 +50,22 @@ def ref_drafter(W: dict, cfg: dict, block_embeds, ctx_feats_all):
     for l in range(cfg["num_hidden_layers"]):
         p = f"layers.{l}."
         Wq, Wk, Wv = (W[p + f"self_attn.{n}_proj.weight"] for n in "qkv")
+        bq, bk, bv, bo = (W.get(p + f"self_attn.{n}_proj.bias", torch.zeros(())) for n in "qkvo")  # attention_bias
         x = rms(h, W[p + "input_layernorm.weight"])
         attn = torch.zeros(B, bs, H * hd)
         for b in range(B):
             for head in range(H):
                 g = head // (H // KV)                   # the kv head this query head shares
                 rq, rk = slice(head * hd, (head + 1) * hd), slice(g * hd, (g + 1) * hd)
-                q = rope(rms(x[b] @ Wq[rq].T, W[p + "self_attn.q_norm.weight"]), pos_blk)
-                k_ctx = rope(rms(f[b] @ Wk[rk].T, W[p + "self_attn.k_norm.weight"]), pos_ctx)
-                k_blk = rope(rms(x[b] @ Wk[rk].T, W[p + "self_attn.k_norm.weight"]), pos_blk)
+                bq_, bk_, bv_ = (t if t.dim() == 0 else t[r] for t, r in ((bq, rq), (bk, rk), (bv, rk)))
+                q = rope(rms(x[b] @ Wq[rq].T + bq_, W[p + "self_attn.q_norm.weight"]), pos_blk)
+                k_ctx = rope(rms(f[b] @ Wk[rk].T + bk_, W[p + "self_attn.k_norm.weight"]), pos_ctx)
+                k_blk = rope(rms(x[b] @ Wk[rk].T + bk_, W[p + "self_attn.k_norm.weight"]), pos_blk)
                 K = torch.cat([k_ctx, k_blk])
-                V = torch.cat([f[b] @ Wv[rk].T, x[b] @ Wv[rk].T])
+                V = torch.cat([f[b] @ Wv[rk].T + bv_, x[b] @ Wv[rk].T + bv_])
                 s = q @ K.T / math.sqrt(hd)                                               # [bs, C+bs]: no mask
                 attn[b, :, rq] = torch.softmax(s, dim=-1) @ V
-        h = h + attn @ W[p + "self_attn.o_proj.weight"].T
+        h = h + attn @ W[p + "self_attn.o_proj.weight"].T + bo
         x = rms(h, W[p + "post_attention_layernorm.weight"])
         gate, up = x @ W[p + "mlp.gate_proj.weight"].T, x @ W[p + "mlp.up_proj.weight"].T
         h = h + (gate * torch.sigmoid(gate) * up) @ W[p + "mlp.down_proj.weight"].T
@@ -125,6 +127,27 @@ def test_incremental_rounds_match_reference(tmp_path, target, n_shards):
         assert err(got, ref) <= TOL, f"round {r}: drafter vs equations {err(got, ref):.2e}"
         assert err(got, once) <= TOL, f"round {r}: incremental vs recompute {err(got, once):.2e}"
         ctx_len += n_new
+
+
+def test_attention_bias_matches_equations(tmp_path, target):
+    """A drafter with attention_bias (Qwen-style q/k/v/o biases) against the equations with them: the q/k/v biases
+    share one vector as their weights share one matrix (model.share_rows), added by the one GEMM; after .to() the
+    sharing is rebuilt, and loading writes the checkpoint's biases into it."""
+    cfg, W = make_ckpt(tmp_path, target.args, attention_bias=True)
+    assert W["layers.0.self_attn.q_proj.bias"].abs().sum() > 0 and "layers.0.self_attn.o_proj.bias" in W
+    B, D, bs, n_taps = 2, cfg["hidden_size"], cfg["block_size"], len(cfg["dflash_config"]["target_layer_ids"])
+    feats, blk = randn(B, 12, n_taps * D, seed=2), randn(B, bs, D, seed=3)
+    d = loaded(tmp_path, target.args)
+    at = d.layers[0].self_attn
+    assert at.qkv_bias.data_ptr() == at.q_proj.bias.data_ptr()
+    assert torch.equal(at.v_proj.bias, at.qkv_bias[-at.v_proj.bias.numel():])
+    got = d(blk, feats, 0)
+    ref = ref_drafter(W, cfg, blk, feats)
+    assert err(got, ref) <= TOL, f"drafter with biases vs equations {err(got, ref):.2e}"
+    no_bias = {k: (torch.zeros_like(v) if k.endswith("_proj.bias") else v) for k, v in W.items()}
+    assert err(got, ref_drafter(no_bias, cfg, blk, feats)) > 10 * TOL    # the biases matter at this size
+    at = d.to(torch.float64).layers[0].self_attn                          # new tensors: shared again
+    assert at.qkv_bias.dtype == torch.float64 and at.qkv_bias.data_ptr() == at.q_proj.bias.data_ptr()
 
 
 def test_per_row_ctx_len_and_stale_slots(tmp_path, target):
