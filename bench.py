@@ -1160,15 +1160,7 @@ def graph_node_floor(device, sizes=(1, 10, 100, 200)) -> list[dict]:
     rows = []
     x = torch.zeros(1, device=device)
     for n in sizes:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):          # warm-up off the capture stream, as StaticStep does
-            x.add_(1)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(n):
-                x.add_(1)
+        g = kernels.capture_graph(lambda: [x.add_(1) for _ in range(n)])
         replay = _event_median_us(g.replay, lambda: None, device)
         k = kernel_times(g.replay, device)
         rows.append({"nodes": n, "replay_us": replay, "kernels_us": k["kernels_us"],

@@ -353,17 +353,11 @@ class StaticStep:
         """Warm up on a side stream (kernels compiled, allocator settled), restore the step's inputs, capture."""
         state = self.state()
         saved = [t.clone() for t in state]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                self.fn()
-        torch.cuda.current_stream().wait_stream(s)
-        for t, v in zip(state, saved):
-            t.copy_(v)      # warm-up steps wrote only slots past the committed prefix: harmless
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.fn()
+
+        def restore() -> None:   # warm-up steps wrote only slots past the committed prefix: harmless
+            for t, v in zip(state, saved):
+                t.copy_(v)
+        self.graph = kernels.capture_graph(self.fn, warmup=2, reset=restore)
 
     def __call__(self) -> list[list[int]]:
         """Run one step; returns each row's committed tokens (empty for finished rows)."""

@@ -26,7 +26,7 @@ Tests (CPU, kernels run under TRITON_INTERPRET=1 in a subprocess):  python -m py
 GPU self-test (bf16 at K2.6 shapes, vs the refs, timings):          python kernels.py
 Launch-config sweep on a GPU:                                       python kernels.py --sweep
 """
-import functools
+import itertools
 import os
 import statistics
 import sys
@@ -953,18 +953,13 @@ ATTN_SEESAW = dict(min_rows=128, min_work=2**19, max_split_len=1024, BLOCK_Q=64,
 # not used) 39.4 -> 38.1, T = 16 42.3 -> 39.7, T = 17 51.2 -> 43.7, T = 33 85.0 -> 72.9.
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def _hopper_fits(c: dict, q_lat, cache, rows: int) -> bool:
     # a Gluon stage-1 kernel with settings c runs here: Hopper (wgmma + TMA), 16-bit inputs, enough rows and work,
     # the output half as one wgmma (N <= 256), and its query block, ring and P tile in 227 KB of shared memory
     R, P = q_lat.shape[-1], cache.shape[-1] - q_lat.shape[-1]
     smem = 2 * ((c["BLOCK_Q"] + c["STAGES"] * c["BLOCK_S"]) * (R + P) + c["BLOCK_Q"] * c["BLOCK_S"])
     return (HAS_GLUON and not INTERPRETED and q_lat.is_cuda and q_lat.dtype in (torch.bfloat16, torch.float16)
-            and _capability(q_lat.device)[0] == 9
+            and torch.cuda.get_device_properties(q_lat.device).major == 9
             and rows >= c["min_rows"] and rows * cache.shape[1] >= c["min_work"]
             and R // 2 <= 256 and smem <= 227 * 1024)
 
@@ -1041,12 +1036,10 @@ if HAS_GLUON:
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
                 scores = _mla_masked_scores(sc, s_start + i * BLOCK_S + cols, prefix, bits, s_end, sm_scale)
                 m_new = gl.maximum(m_i, gl.max(scores, 1))                      # a reduction across warpgroups
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                acc, l_i, m_safe = _mla_rescale(acc, l_i, m_i, m_new, o_layout)
                 p = gl.exp(scores - m_safe[:, None])
-                alpha = gl.exp(m_i - m_safe)
-                l_i = l_i * alpha + gl.sum(p, 1)
+                l_i = l_i + gl.sum(p, 1)
                 m_i = m_new
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 p_smem.store(p.to(dtype))
                 fence_async_shared()
                 gl.thread_barrier()                       # both halves of P written before either MMA reads it
@@ -1058,16 +1051,8 @@ if HAS_GLUON:
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(i))
 
-            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-            seen = l_o > 0
-            o = gl.where(seen[:, None], acc / gl.where(seen, l_o, 1.0)[:, None], 0.0)
-            lse = gl.where(seen, gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log(gl.where(seen, l_o, 1.0)),
-                           float("-inf"))
-            rows_o = gl.program_id(0) * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, o_layout))
-            part = (b * NUM_SPLITS + split) * T * H + rows_o          # o_part [B, NS, T*H, R], lse_part [B, NS, T*H]
-            offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, o_layout))
-            gl.store(o_ptr + part[:, None].to(gl.int64) * R + offs_r[None, :], o, mask=(rows_o < T * H)[:, None])
-            gl.store(lse_ptr + part, lse, mask=rows_o < T * H)
+            _mla_store_partial(acc, l_i, m_i, o_ptr, lse_ptr, (b * NUM_SPLITS + split) * T * H, gl.program_id(0) * BLOCK_Q,
+                               T * H, 0, True, R, BLOCK_Q, R, o_layout)
 
     @gluon.jit
     def _mla_tile_load(kv_desc, pe_desc, bar, kv, pe, row, pred, R: gl.constexpr):
@@ -1117,6 +1102,32 @@ if HAS_GLUON:
         visible = ((s < prefix)[None, :] | ((j >= 0)[None, :] & in_tree)) & (s < s_end)[None, :]
         return gl.where(visible, sc * sm_scale, float("-inf"))
 
+    @gluon.jit
+    def _mla_rescale(acc, l_i, m_run, m_new, o_layout: gl.constexpr):
+        # online softmax: move the output (or its half) and the row sums from max m_run to m_new; returns m_safe,
+        # the max to subtract from the new scores (0 for a row with nothing visible yet, which so stays 0)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp(m_run - m_safe)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        return acc, l_i * alpha, m_safe
+
+    @gluon.jit
+    def _mla_store_partial(acc, l_i, m_i, o_ptr, lse_ptr, part0, q0, ROWS, col0, STORE_LSE: gl.constexpr,
+                           R: gl.constexpr, BLOCK_Q: gl.constexpr, NCOLS: gl.constexpr, o_layout: gl.constexpr):
+        # a split's partial result for query rows q0.. (of ROWS): the output columns [col0, col0 + NCOLS) normalised,
+        # o_part [B, NS, T*H, R] at row part0 + q0.., and (STORE_LSE) its log-sum-exp, lse_part [B, NS, T*H]
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        seen = l_o > 0
+        o = gl.where(seen[:, None], acc / gl.where(seen, l_o, 1.0)[:, None], 0.0)
+        rows_o = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, o_layout))
+        part = part0 + rows_o
+        offs_r = col0 + gl.arange(0, NCOLS, layout=gl.SliceLayout(0, o_layout))
+        gl.store(o_ptr + part[:, None].to(gl.int64) * R + offs_r[None, :], o, mask=(rows_o < ROWS)[:, None])
+        if STORE_LSE:
+            m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+            lse = gl.where(seen, m_o + gl.log(gl.where(seen, l_o, 1.0)), float("-inf"))
+            gl.store(lse_ptr + part, lse, mask=rows_o < ROWS)
+
     # ------------------------------------------------------------------------------------------------------
     # The "seesaw" variant of stage 1 (FlashMLA's schedule, in Gluon's warp specialization). Two math warpgroups
     # own the two halves of the latent output, [64, R/2] fp32 each, as in _mla_wgmma_kernel; but a key tile's
@@ -1138,14 +1149,6 @@ if HAS_GLUON:
                            row0 + i * BLOCK_S, True, R)
 
     @gluon.jit
-    def _mla_seesaw_rescale(acc, l_own, m_run, m_new, o_layout: gl.constexpr):
-        # move the output half and row sums from max m_run to m_new (m_safe: a row with nothing visible yet stays 0)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp(m_run - m_safe)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        return acc, l_own * alpha, m_safe
-
-    @gluon.jit
     def _mla_seesaw_other(j, acc, l_own, m_run, kv_smem, p_smem, m_smem, ready, p_ready,
                           W: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr, o_layout: gl.constexpr,
                           row_l: gl.constexpr):
@@ -1154,7 +1157,7 @@ if HAS_GLUON:
         mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
         mbarrier.wait(p_ready.index(1 - W), (j // 2) & 1)
         m_new = m_smem.load(row_l)
-        acc, l_own, _ = _mla_seesaw_rescale(acc, l_own, m_run, m_new, o_layout)
+        acc, l_own, _ = _mla_rescale(acc, l_own, m_run, m_new, o_layout)
         acc = warpgroup_mma(p_smem, kv_smem.index(stage).slice(W * HALF, HALF, dim=1), acc, is_async=True)
         return acc, l_own, m_new
 
@@ -1182,7 +1185,7 @@ if HAS_GLUON:
         if HAS_OTHER:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((i - 1) % STAGES))
-        acc, l_own, m_safe = _mla_seesaw_rescale(acc, l_own, m_run, m_new, o_layout)
+        acc, l_own, m_safe = _mla_rescale(acc, l_own, m_run, m_new, o_layout)
         p32 = gl.exp(scores - m_safe[:, None])                                            # [BLOCK_Q, BLOCK_S]
         l_own = l_own + gl.sum(p32, 1)
         p = p32.to(p_smem.dtype)
@@ -1237,17 +1240,8 @@ if HAS_GLUON:
         mbarrier.arrive(l_ready)
         mbarrier.wait(l_ready, 0)
         l_tot = l_smem.slice(0, BLOCK_Q).load(row_l) + l_smem.slice(BLOCK_Q, BLOCK_Q).load(row_l)
-        l_o = gl.convert_layout(l_tot, gl.SliceLayout(1, o_layout))
-        seen = l_o > 0
-        o = gl.where(seen[:, None], acc / gl.where(seen, l_o, 1.0)[:, None], 0.0)
-        rows_o = q0 + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, o_layout))
-        part = (b * NUM_SPLITS + split) * T * H + rows_o        # o_part [B, NS, T*H, R], lse_part [B, NS, T*H]
-        offs_r = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-        gl.store(o_ptr + part[:, None].to(gl.int64) * R + offs_r[None, :], o, mask=(rows_o < T * H)[:, None])
-        if W == 0:
-            m_o = gl.convert_layout(m_run, gl.SliceLayout(1, o_layout))
-            lse = gl.where(seen, m_o + gl.log(gl.where(seen, l_o, 1.0)), float("-inf"))
-            gl.store(lse_ptr + part, lse, mask=rows_o < T * H)
+        _mla_store_partial(acc, l_tot, m_run, o_ptr, lse_ptr, (b * NUM_SPLITS + split) * T * H, q0, T * H, W * HALF,
+                           W == 0, R, BLOCK_Q, HALF, o_layout)
 
     @gluon.jit
     def _mla_seesaw_kernel(q_lat_ptr, q_pe_ptr, kv_desc, pe_desc, prefix_ptr, bits_ptr, o_ptr, lse_ptr,
@@ -2377,14 +2371,27 @@ def event_median_us(fn, n: int = 25, before=lambda: None) -> float:
     return statistics.median(times)
 
 
-def _graph_replay_us(fn, n: int = 25) -> float:
-    """Median us of replaying fn captured in a CUDA graph, one replay at a time between CUDA events."""
-    fn()
-    torch.cuda.synchronize()
+def capture_graph(fn, warmup: int = 1, reset=None) -> "torch.cuda.CUDAGraph":
+    """fn captured in a CUDA graph, after `warmup` calls on a side stream (kernels compiled and the allocator
+    settled off the capture stream, as torch's CUDA-graph notes ask); reset() runs between the two (StaticStep
+    restores the step's inputs the warm-up advanced)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    if reset is not None:
+        reset()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return event_median_us(g.replay, n)
+    return g
+
+
+def _graph_replay_us(fn, n: int = 25) -> float:
+    """Median us of replaying fn captured in a CUDA graph, one replay at a time between CUDA events."""
+    return event_median_us(capture_graph(fn).replay, n)
 
 
 def _time_cold(fn) -> float:
@@ -2416,6 +2423,31 @@ def _mma_peak(n: int = 8192) -> float:
     """TFLOP/s of a large bf16 matmul (cuBLAS): the tensor-core yardstick of the attention's compute floor."""
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     return 2 * n**3 / (triton.testing.do_bench(lambda: a @ b, return_mode="median") * 1e-3) / 1e12
+
+
+@triton.jit
+def _read_sum_kernel(x_ptr, out_ptr, N, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # the self-test's read yardstick: each program sums one contiguous chunk of x, so every byte is read once
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(0, CHUNK, BLOCK):
+        offs = pid * CHUNK + i + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc))
+
+
+def _plain_read_us(x: torch.Tensor) -> float:
+    """Cold-L2 us of the fastest plain read of x found over a few grids (4-16 programs an SM, 4096-8192 elements a
+    step; 2026-11-30 sweep: fewer programs were slower): the pace a memory-bound kernel reading x could at best keep."""
+    n, best = x.numel(), float("inf")
+    for per_sm, BLOCK in itertools.product((4, 8, 16), (4096, 8192)):
+        chunk = triton.cdiv(triton.cdiv(n, per_sm * _sm_count(x.device)), BLOCK) * BLOCK
+        out = torch.empty(triton.cdiv(n, chunk), device=x.device, dtype=torch.float32)
+        fn = lambda: _read_sum_kernel[(out.numel(),)](x, out, n, CHUNK=chunk, BLOCK=BLOCK, num_warps=8)
+        fn()
+        torch.testing.assert_close(out.sum(), x.float().sum(), rtol=1e-3, atol=1.0)   # it did read all of x
+        best = min(best, _time_cold(fn))
+    return best
 
 
 def _selftest_row(label: str, case, kernel, ref, tol: float, bw: float) -> bool:
@@ -2496,13 +2528,16 @@ def gpu_selftest(tol=2e-2) -> bool:
                     return (q_lat, q_pe, cache, prefix_len, tree_mask, scale), work["bytes"], columns
                 ok &= _selftest_row(f"{H:>3} {T:>3} {prefix:>7}", case, mla_tree_attention, mla_tree_attention_ref,
                                     tol, bw)
+    cache = torch.randn(1, 32768 + 17, R + P, device=dev, dtype=dtype)
+    us = _plain_read_us(cache)
+    print(f"a plain read of a 32k-slot cache ({cache.numel() * 2 / 1e6:.1f} MB; the fastest grid of _plain_read_us): "
+          f"{us:.1f} us cold, {100 * cache.numel() * 2 / us / 1e3 / bw:.1f}% of the copy bandwidth")
     print("\nself-test", "PASSED" if ok else "FAILED")
     return ok
 
 
 def sweep():
     # Launch-config sweep at K2.6 TP8 shapes (CUDA-graph median, us): change one config at a time from the defaults.
-    import itertools
     dev, dtype = torch.device("cuda"), torch.bfloat16
     bench = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
 
@@ -2553,7 +2588,7 @@ def sweep():
     g.update(hopper)
     splits = [dict(max_splits=m, min_split_len=n, waves=w) for m in (64, 256) for n in (64, 128, 256) for w in (1, 2, 4)]
     run(g, "ATTN_SPLITS", splits, attn)
-    if HAS_GLUON and _capability(dev)[0] == 9:  # the Hopper kernel's ring (the configurations that fit 227 KB)
+    if HAS_GLUON and torch.cuda.get_device_properties(dev).major == 9:  # the Hopper kernel's ring (the configurations that fit 227 KB)
         ring = [dict(BLOCK_S=bs, STAGES=st, max_split_len=m) for bs, st in ((64, 2), (32, 3), (32, 4))
                 for m in (512, 1024, 4096)]
         run(g, "ATTN_WGMMA", ring, attn)

@@ -775,14 +775,7 @@ def test_mla_hopper_attention_kernel(kernel, T, H, R, P, prefixes, kind, max_spl
     # captured in a CUDA graph (the TMA descriptors are kernel arguments, filled at capture), replayed on new
     # inputs written in place: the eager result for those inputs
     g_out = torch.empty_like(out)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        kernels.mla_tree_attention(*packed, out=g_out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernels.mla_tree_attention(*packed, out=g_out)
+    graph = kernels.capture_graph(lambda: kernels.mla_tree_attention(*packed, out=g_out))
     fresh = make_attn(len(prefixes), T, H, R, P, prefixes, kind, dtype, KERNEL_DEVICE, seed=T + H + R + 1)
     for buf, new in zip(packed[:3], fresh[:3]):
         buf.copy_(new)
