@@ -1051,8 +1051,8 @@ if HAS_GLUON:
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(i))
 
-            _mla_store_partial(acc, l_i, m_i, o_ptr, lse_ptr, (b * NUM_SPLITS + split) * T * H, gl.program_id(0) * BLOCK_Q,
-                               T * H, 0, True, R, BLOCK_Q, R, o_layout)
+            _mla_store_partial(acc, l_i, m_i, o_ptr, lse_ptr, (b * NUM_SPLITS + split) * T * H,
+                               gl.program_id(0) * BLOCK_Q, T * H, 0, True, R, BLOCK_Q, R, o_layout)
 
     @gluon.jit
     def _mla_tile_load(kv_desc, pe_desc, bar, kv, pe, row, pred, R: gl.constexpr):
@@ -2588,7 +2588,8 @@ def sweep():
     g.update(hopper)
     splits = [dict(max_splits=m, min_split_len=n, waves=w) for m in (64, 256) for n in (64, 128, 256) for w in (1, 2, 4)]
     run(g, "ATTN_SPLITS", splits, attn)
-    if HAS_GLUON and torch.cuda.get_device_properties(dev).major == 9:  # the Hopper kernel's ring (the configurations that fit 227 KB)
+    if HAS_GLUON and torch.cuda.get_device_properties(dev).major == 9:
+        # the Hopper kernels' rings (the configurations that fit 227 KB)
         ring = [dict(BLOCK_S=bs, STAGES=st, max_split_len=m) for bs, st in ((64, 2), (32, 3), (32, 4))
                 for m in (512, 1024, 4096)]
         run(g, "ATTN_WGMMA", ring, attn)

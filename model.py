@@ -343,12 +343,12 @@ def RowParallelLinear(i: int, o: int) -> Linear:
 
 def share_rows(*linears: Linear, name: str = "weight") -> torch.Tensor:
     """Put the weights (name="bias": the biases) of Linears that read the same input (MLA's q_a and kv_a; an MLP's
-    gate and up) into one [sum of out, in] tensor, returned: each Linear's weight becomes a view of its row block, so parameter names,
-    in-place loading and TP slicing stay as they were, while linear_rows computes every output in one GEMM (one
-    launch, one pass over the weights; H200, T = 9: q_a + kv_a 18.8 -> 13.2 µs, shared gate + up 27.4 -> 21.2).
-    Writes in place keep the sharing; .to() / .cuda() give every parameter a new tensor, so the modules that
-    share rows (SharesRows) call this again from _apply. linear_rows checks it (load_state_dict(assign=True) would
-    break it)."""
+    gate and up) into one [sum of out, in] tensor, returned: each Linear's weight becomes a view of its row block,
+    so parameter names, in-place loading and TP slicing stay as they were, while linear_rows computes every output
+    in one GEMM (one launch, one pass over the weights; H200, T = 9: q_a + kv_a 18.8 -> 13.2 µs, shared gate + up
+    27.4 -> 21.2). Writes in place keep the sharing; .to() / .cuda() give every parameter a new tensor, so the
+    modules that share rows (SharesRows) call this again from _apply. linear_rows checks it
+    (load_state_dict(assign=True) would break it)."""
     w = torch.cat([getattr(lin, name).detach() for lin in linears])             # [sum out, in] (bias: [sum out])
     row = 0
     for lin in linears:
@@ -379,7 +379,8 @@ class SharesRows(nn.Module):
         return self
 
 
-def linear_rows(x: torch.Tensor, w: torch.Tensor, *linears: Linear, split: bool = True, bias=None):
+def linear_rows(x: torch.Tensor, w: torch.Tensor, *linears: Linear, split: bool = True,
+                bias: torch.Tensor | None = None):
     """Each Linear's output, from one GEMM over their shared weight w and bias (see share_rows); split=False: the
     one [..., sum of out] output. When autograd wants the parameters' gradients (train.py), each Linear runs on its
     own: w is not part of the autograd graph."""
