@@ -467,6 +467,18 @@ def test_silu_mul_kernel(dtype):
 
 
 @needs_kernels
+def test_read_sum_kernel():
+    """The self-test's plain-read yardstick (_plain_read_us) reads every element of x once: program i sums chunk
+    i, the last one partial (masked), and nothing else."""
+    x = torch.randn(3, 1000, 7, generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
+    n, BLOCK, CHUNK = x.numel(), 64, 5 * 64
+    out = torch.full((-(-n // CHUNK),), float("nan"), device=KERNEL_DEVICE)
+    kernels._read_sum_kernel[(out.numel(),)](x, out, n, CHUNK=CHUNK, BLOCK=BLOCK)
+    chunks = F.pad(x.flatten(), (0, out.numel() * CHUNK - n)).view(-1, CHUNK)                       # [programs, CHUNK]
+    assert_close(out, chunks.sum(1), 1e-5, "per-program sums")
+
+
+@needs_kernels
 @pytest.mark.parametrize("N, E, k, norm", [(1, 384, 8, True), (9, 384, 8, True), (5, 8, 2, False), (3, 16, 16, True)])
 def test_moe_topk_kernel(N, E, k, norm):
     """Routing in one launch == sigmoid / bias / topk / renormalize / scale: the same experts in the same order."""
@@ -858,7 +870,7 @@ def test_kernels_under_triton_interpreter():
     names = ["fused_moe_kernel", "fused_moe_repeated_expert", "mla_tree_attention_kernel", "moe_prep_f16_packing", "rms_norm_kernel",
              "rope_kernel", "add_rms_norm_kernel", "mla_latent_to_cache_kernel", "silu_mul_kernel",
              "qkv_norm_rope_kernel", "block_attention_kernel",
-             "moe_topk_kernel", "router_topk_kernel", "rank_topk_kernel", "moe_sort", "ddtree_search_kernel", "ddtree_search_exact_ties", "tree_accept_kernel",
+             "moe_topk_kernel", "router_topk_kernel", "read_sum_kernel", "rank_topk_kernel", "moe_sort", "ddtree_search_kernel", "ddtree_search_exact_ties", "tree_accept_kernel",
              "commit_kv_kernel",
              "ddtree_search_vs_heap_reference"]
     tests = [f"{__file__}::test_{name}" for name in names]
