@@ -867,12 +867,11 @@ def test_mla_hopper_kernels_compile_for_hopper(seesaw):
 
 @pytest.mark.skipif(KERNEL_DEVICE is not None or not kernels.HAS_TRITON, reason="kernels run directly here")
 def test_kernels_under_triton_interpreter():
-    names = ["fused_moe_kernel", "fused_moe_repeated_expert", "mla_tree_attention_kernel", "moe_prep_f16_packing", "rms_norm_kernel",
-             "rope_kernel", "add_rms_norm_kernel", "mla_latent_to_cache_kernel", "silu_mul_kernel",
-             "qkv_norm_rope_kernel", "block_attention_kernel",
-             "moe_topk_kernel", "router_topk_kernel", "read_sum_kernel", "rank_topk_kernel", "moe_sort", "ddtree_search_kernel", "ddtree_search_exact_ties", "tree_accept_kernel",
-             "commit_kv_kernel",
-             "ddtree_search_vs_heap_reference"]
+    names = ["fused_moe_kernel", "fused_moe_repeated_expert", "mla_tree_attention_kernel", "moe_prep_f16_packing",
+             "rms_norm_kernel", "rope_kernel", "add_rms_norm_kernel", "mla_latent_to_cache_kernel", "silu_mul_kernel",
+             "qkv_norm_rope_kernel", "block_attention_kernel", "moe_topk_kernel", "router_topk_kernel",
+             "read_sum_kernel", "rank_topk_kernel", "moe_sort", "ddtree_search_kernel", "ddtree_search_exact_ties",
+             "tree_accept_kernel", "commit_kv_kernel", "ddtree_search_vs_heap_reference"]
     tests = [f"{__file__}::test_{name}" for name in names]
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
