@@ -1191,9 +1191,7 @@ def bench_step(a, device, dtype) -> dict:
             G.generate(target, ids, 16, drafter=drafter if budget else None, budget=budget, mode=mode,
                        max_seq_len=len(ids) + 16 + 2 * (budget + 1) + 64)   # compiles / captures the step
             (runner,) = G.StaticStep.runners()
-            state = runner.state()
-            saved = [t.clone() for t in state]
-            restore = lambda: [t.copy_(v) for t, v in zip(state, saved)]                # noqa: E731
+            restore = runner.snapshot()
             step = runner.graph.replay if runner.graph is not None else runner.fn
             restore(), step()
             first = runner.out.clone()            # [1, N+1]: accept length, committed tokens

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -345,19 +346,21 @@ class StaticStep:
         self.out[:, 1] = tok
         self._advance(self.active, tok)               # one token per row still decoding
 
-    def state(self) -> tuple[torch.Tensor, ...]:
-        """The buffers a step reads and advances (bench.py restores them to replay one step many times)."""
-        return self.bonus, self.start, self.ctx_len, self.n_ctx, self.ctx_feats, self.active
-
-    def _capture(self) -> None:
-        """Warm up on a side stream (kernels compiled, allocator settled), restore the step's inputs, capture."""
-        state = self.state()
+    def snapshot(self) -> Callable[[], None]:
+        """A function that puts the buffers a step reads and advances back as they are now: the capture undoes its
+        warm-up steps with it, and bench.py replays one step many times from it."""
+        state = (self.bonus, self.start, self.ctx_len, self.n_ctx, self.ctx_feats, self.active)
         saved = [t.clone() for t in state]
 
-        def restore() -> None:   # warm-up steps wrote only slots past the committed prefix: harmless
+        def restore() -> None:
             for t, v in zip(state, saved):
                 t.copy_(v)
-        self.graph = kernels.capture_graph(self.fn, warmup=2, reset=restore)
+        return restore
+
+    def _capture(self) -> None:
+        """Warm up on a side stream (kernels compiled, allocator settled), restore the step's inputs, capture.
+        The warm-up steps also wrote cache slots, only past the committed prefix: harmless."""
+        self.graph = kernels.capture_graph(self.fn, warmup=2, reset=self.snapshot())
 
     def __call__(self) -> list[list[int]]:
         """Run one step; returns each row's committed tokens (empty for finished rows)."""

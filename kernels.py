@@ -2439,13 +2439,13 @@ def _read_sum_kernel(x_ptr, out_ptr, N, CHUNK: tl.constexpr, BLOCK: tl.constexpr
 def _plain_read_us(x: torch.Tensor) -> float:
     """Cold-L2 us of the fastest plain read of x found over a few grids (4-16 programs an SM, 4096-8192 elements a
     step; 2026-11-30 sweep: fewer programs were slower): the pace a memory-bound kernel reading x could at best keep."""
-    n, best = x.numel(), float("inf")
+    n, best, total = x.numel(), float("inf"), x.float().sum()
     for per_sm, BLOCK in itertools.product((4, 8, 16), (4096, 8192)):
         chunk = triton.cdiv(triton.cdiv(n, per_sm * _sm_count(x.device)), BLOCK) * BLOCK
         out = torch.empty(triton.cdiv(n, chunk), device=x.device, dtype=torch.float32)
         fn = lambda: _read_sum_kernel[(out.numel(),)](x, out, n, CHUNK=chunk, BLOCK=BLOCK, num_warps=8)
         fn()
-        torch.testing.assert_close(out.sum(), x.float().sum(), rtol=1e-3, atol=1.0)   # it did read all of x
+        torch.testing.assert_close(out.sum(), total, rtol=1e-3, atol=1.0)   # it did read all of x
         best = min(best, _time_cold(fn))
     return best
 
