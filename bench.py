@@ -1267,7 +1267,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = M.init_distributed(device=a.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
         a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    kernels.FORCE_REF = a.no_triton
+    kernels.ENABLED = not a.no_triton
     torch.manual_seed(a.seed)
     env = environment(sys.argv if argv is None else ["bench.py", *argv], device)
     print_header(env)

@@ -114,7 +114,7 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
     no host sync inside a step), "graph" (StaticStep replayed as a CUDA graph), "compile" (torch.compile),
     "graph+compile" (the compiled step captured as a CUDA graph: fused kernels and no launch overhead).
     debug: check every layer's output for NaN/inf, and under TP that all ranks committed the same tokens."""
-    if "graph" in mode and kernels.FORCE_REF:
+    if "graph" in mode and not kernels.ENABLED:
         raise ValueError("--cuda-graph with --no-triton: the reference MoE picks its experts on the host "
                          "(unique().tolist()), which a CUDA graph cannot capture; drop one of the two flags")
     stats = stats if stats is not None else Stats()
@@ -495,7 +495,7 @@ def _main(args: argparse.Namespace) -> int:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[
         args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if args.no_triton:
-        kernels.FORCE_REF = True
+        kernels.ENABLED = False
     from tokenizer import Tokenizer
     tok_dir = args.tokenizer or args.ckpt
     tokenizer = Tokenizer.from_dir(tok_dir)

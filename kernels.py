@@ -26,6 +26,7 @@ Tests (CPU, kernels run under TRITON_INTERPRET=1 in a subprocess):  python -m py
 GPU self-test (bf16 at K2.6 shapes, vs the refs, timings):          python kernels.py
 Launch-config sweep on a GPU:                                       python kernels.py --sweep
 """
+import functools
 import itertools
 import os
 import statistics
@@ -55,12 +56,42 @@ try:  # Gluon: Triton's explicit-layout dialect (wgmma, TMA, mbarriers), for the
 except (ImportError, AttributeError):
     HAS_GLUON = False
 
-FORCE_REF = False      # generate.py --no-triton sets this: use the *_ref twins even on CUDA
+# ----------------------------------------------------------------------------------------------------------
+# The one switch. A stage file writes an op's math once, in plain PyTorch, and marks it `@kernels.fast`; this file
+# registers a Triton launcher under the same name with a `fits(...)` that says when it may take the call (device,
+# dtype, shapes, autograd, torch.compile). Launcher, fits and reference take the same arguments.
+
+ENABLED = True          # generate.py --no-triton sets False: every op runs its PyTorch reference
 POISON_BUFFERS = False  # tests set this: scratch buffers start as NaN, so an unwritten element shows up
+_KERNELS: dict = {}     # reference name -> (fits, launch)
+
+
+def fast(ref):
+    """Decorator for a reference op in a stage file: calls go to the kernel registered under ref's name when the
+    switch is on and the kernel fits the arguments, else to ref itself. `op.ref` is the reference (tests use it)."""
+    name = ref.__name__
+
+    @functools.wraps(ref)
+    def dispatch(*args, **kw):
+        k = _KERNELS.get(name)
+        if k is not None and ENABLED and k[0](*args, **kw):
+            return k[1](*args, **kw)
+        return ref(*args, **kw)
+    dispatch.ref = ref
+    return dispatch
+
+
+def register(name: str, fits):
+    """Decorator for a launcher: the fast path of the reference op `name` wherever fits(*args, **kw) is true."""
+    def deco(launch):
+        _KERNELS[name] = (fits, launch)
+        return launch
+    return deco
 
 
 def use_triton(device) -> bool:
-    return HAS_TRITON and not FORCE_REF and torch.device(device).type == "cuda" and torch.cuda.is_available()
+    """A CUDA tensor and Triton installed: the device condition every kernel's fits starts from."""
+    return HAS_TRITON and ENABLED and torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
 def _empty(shape, dtype, device):

@@ -268,6 +268,6 @@ def test_cuda_graph_refuses_reference_kernels(target, monkeypatch):
     """--cuda-graph --no-triton is refused by name: the reference MoE reads its expert ids on the host (it used to
     fail inside the capture with a CUDA error, H200, 2026-11-30)."""
     import kernels
-    monkeypatch.setattr(kernels, "FORCE_REF", True)
+    monkeypatch.setattr(kernels, "ENABLED", False)
     with pytest.raises(ValueError, match="--no-triton"):
         G.generate(target, [1, 2, 3], 4, mode="graph")

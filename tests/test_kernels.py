@@ -886,7 +886,7 @@ def test_kernels_under_triton_interpreter():
 
 def test_use_triton_switches(monkeypatch):
     assert not kernels.use_triton("cpu")
-    monkeypatch.setattr(kernels, "FORCE_REF", True)
+    monkeypatch.setattr(kernels, "ENABLED", False)
     assert not kernels.use_triton("cuda")
 
 
