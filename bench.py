@@ -28,6 +28,8 @@ Modes:
           ours.
   tree    the DDTree build of one step at Kimi's vocabulary: the op-by-op builder vs the one-launch search (on a
           GPU), and the vocabulary ranking both share, per budget; the two trees compared field by field.
+  kernels the INT4 MoE and MLA attention kernels against their references at K2.6 shapes (GPU): error, eager /
+          CUDA-graph / cold-L2 time, share of the copy bandwidth; --sweep: their launch configs.
   all     the three in turn (e2e, layers, peer).
 
     python bench.py e2e                                   # bundled tiny model + drafter (CPU ok)
@@ -37,6 +39,7 @@ Modes:
     python bench.py layers --tp 8 --out runs/layers.json  # one H200, per-rank TP8 shapes, real dimensions
     python bench.py peer --tp 1 --ctx 4096                # one H200 (the peer's bf16 experts: 34 GB)
     python bench.py tree --budgets 8,16,64                # V = 163840, L = 7 by default (CPU ok)
+    python bench.py kernels [--sweep]                     # one GPU: kernels vs references, timings
     torchrun --nproc-per-node 8 bench.py e2e --ckpt <Kimi-K2.6> --draft <Kimi-K2.6-DFlash> --chat
 
 Caveats, printed where they apply:
@@ -67,6 +70,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import checkpoint as C
 import kernels
 import model as M
 import tree as T
@@ -251,7 +255,7 @@ def summarize(stats: list, device: torch.device) -> dict:
             "prefill_s": sum(s.prefill_s for s in stats), "steps": steps, "accept_sum": sum(accept),
             "mean_accept": sum(accept) / steps if steps else 0.0, "accept_hist": hist, "stage_s": stage_s,
             "stage_ms_per_step": {k: 1e3 * v / steps if steps else 0.0 for k, v in stage_s.items()},
-            "peak_rss_bytes": M.peak_rss_bytes(),
+            "peak_rss_bytes": C.peak_rss_bytes(),
             "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
 
 
@@ -480,7 +484,7 @@ def per_rank_build(tp: int, device, dtype):
 
 def build_block(cfg: dict, layer_id: int, tp: int, device, dtype, seed: int) -> tuple[M.ModelArgs, M.Block]:
     """One model.Block of `cfg` with rank 0's per-rank shapes at tensor parallel size tp (see per_rank_build)."""
-    args = M.ModelArgs.from_config(M.k26_config(cfg, 32))
+    args = M.ModelArgs.from_config(C.k26_config(cfg, 32))
     M.check_tp_divisibility(args, tp)
     with per_rank_build(tp, device, dtype):
         block = M.Block(layer_id, args)
@@ -514,7 +518,7 @@ def step_inputs(args: M.ModelArgs, T: int, ctx: int, tree: str, device, dtype, s
     # tensor (a captured decode step's), the new tokens' cache slots and the mask rows packed into int64 words
     start = torch.tensor([ctx], device=device)                                           # [1]
     return dict(x=x, cos=cos, sin=sin, mask=mask[None].to(device), positions=positions, start=start,
-                slots=M._slots(start, 1, T, device), bits=kernels.tree_mask_bits(mask[None].to(device)))
+                slots=M._slots(start, 1, T, device), bits=M.tree_mask_bits(mask[None].to(device)))
 
 
 def layer_step(block: M.Block, s: dict, cache: torch.Tensor):
@@ -766,10 +770,19 @@ def bench_layers(a, device, dtype) -> dict:
 # split: how to cut the routed experts across TP ranks (issue 8), and whether the drafter should be split too
 
 
+def rand_experts(E: int, D: int, I: int, group_size: int, dtype, device) -> tuple:
+    """Random INT4 experts (w13_packed, w13_scale, w2_packed, w2_scale): random words (every nibble 0..15 equally
+    likely) and small positive scales."""
+    w13_packed = torch.randint(-2**31, 2**31, (E, 2 * I, D // 8), dtype=torch.int32, device=device)
+    w2_packed = torch.randint(-2**31, 2**31, (E, D, I // 8), dtype=torch.int32, device=device)
+    w13_scale = (torch.rand(E, 2 * I, D // group_size, device=device) * 0.5 + 0.5).mul(1 / (7 * D**0.5)).to(dtype)
+    w2_scale = (torch.rand(E, D, I // group_size, device=device) * 0.5 + 0.5).mul(1 / (7 * I**0.5)).to(dtype)
+    return w13_packed, w13_scale, w2_packed, w2_scale
+
+
 def _moe_call(x, ids, w, experts: tuple):
     """The routed-expert kernel model.py runs (Triton on CUDA, the reference elsewhere)."""
-    fn = kernels.fused_moe_w4a16 if kernels.use_triton(x.device) else kernels.fused_moe_w4a16_ref
-    return lambda: fn(x, ids, w, *experts)
+    return lambda: M.int4_experts(x, ids, w, *experts)
 
 
 @torch.no_grad()
@@ -784,8 +797,8 @@ def bench_moe_split(a, device, dtype, n_routings: int = 3) -> dict:
         cfg["num_experts_per_tok"], a.tp
     assert E % tp == 0 and I % (tp * 32) == 0, f"E={E}, I={I} must split over tp={tp}"
     bw = copy_bandwidth(device, copy_size(a, device))
-    tp_w = kernels._rand_experts(E, D, I // tp, 32, dtype, device)
-    ep_w = kernels._rand_experts(E // tp, D, I, 32, dtype, device)
+    tp_w = rand_experts(E, D, I // tp, 32, dtype, device)
+    ep_w = rand_experts(E // tp, D, I, 32, dtype, device)
     expert_bytes = sum(t[0].numel() * t.element_size() for t in ep_w)                 # one whole expert
     print0(f"\n## moe-split: {E} experts top-{K}, I={I}, D={D}, INT4 g32, TP{tp}: TP-in-expert (I/{tp} per rank) "
            f"vs EP ({E // tp} whole experts per rank); copy bandwidth {bw / 1e9:.0f} GB/s")
@@ -951,8 +964,8 @@ def copy_block_to_hf(block: M.Block, layer) -> None:
     for e in range(hx.gate_up_proj.shape[0]):
         if ex.quant:
             gs = ex.quant.group_size
-            hx.gate_up_proj[e].copy_(kernels.dequant_int4_ref(ex.w13_packed[e], ex.w13_scale[e], gs))
-            hx.down_proj[e].copy_(kernels.dequant_int4_ref(ex.w2_packed[e], ex.w2_scale[e], gs))
+            hx.gate_up_proj[e].copy_(M.dequant_int4(ex.w13_packed[e], ex.w13_scale[e], gs))
+            hx.down_proj[e].copy_(M.dequant_int4(ex.w2_packed[e], ex.w2_scale[e], gs))
         else:
             hx.gate_up_proj[e].copy_(ex.w13[e])
             hx.down_proj[e].copy_(ex.w2[e])
@@ -1107,49 +1120,59 @@ def bench_peer(a, device, dtype) -> dict:
 # tree: the DDTree build of one step
 
 
+def _tree_by_ops(logits, roots, budget: int) -> T.Tree:
+    """tree.build_tree_batched with the search in tensor ops (ddtree_search's reference), whatever the device."""
+    return T.Tree(*T.ddtree_search.ref(*T.rank_tokens(logits, min(budget, logits.shape[-1])), roots, budget))
+
+
 @torch.no_grad()
 def bench_tree(a, device, dtype) -> dict:
-    """Per budget: tree.build_tree_ops (tensor ops), tree.build_tree_kernel (kernels.ddtree_search, GPU only) and
-    tree._rank_tokens (log_softmax + vocabulary ranking, inside both) on random fp32 draft logits [1, L, V];
-    CUDA-graph medians on a GPU (a step replays them so), wall-clock medians on a CPU."""
+    """Per budget: the tree build through tree.ddtree_search's tensor ops (its reference) and through its kernel
+    (GPU only), each after tree.rank_tokens (log_softmax + vocabulary ranking, timed alone too), on random fp32
+    draft logits [1, L, V]; CUDA-graph medians on a GPU (a step replays them so), wall-clock medians on a CPU."""
     L, V = a.tree_depth, a.vocab
     graph = device.type == "cuda" and a.graph
     use_kernel = kernels.use_triton(device)
     print0(f"\n## tree: draft logits [1, {L}, {V}] fp32 on {device}, "
            f"{'CUDA-graph' if graph else 'wall-clock'} medians")
-    fields = [f.name for f in dataclasses.fields(T.Tree) if f.name != "mask_bits"]   # the ops builder leaves it None
     rows = []
     for B in a.budgets:
         g = torch.Generator(device=device).manual_seed(a.seed + B)
         logits = torch.randn(1, L, V, generator=g, device=device) * 3                  # [1, L, V]
         roots = torch.zeros(1, dtype=torch.long, device=device)
         r = {"budget": B, "depth": L, "vocab": V,
-             "ops_us": median_time(lambda: T.build_tree_ops(logits, roots, B), device, graph) * 1e6,
-             "rank_us": median_time(lambda: T._rank_tokens(logits, min(B, V)), device, graph) * 1e6,
+             "ops_us": median_time(lambda: _tree_by_ops(logits, roots, B), device, graph) * 1e6,
+             "rank_us": median_time(lambda: T.rank_tokens(logits, min(B, V)), device, graph) * 1e6,
              "kernel_us": None, "same": None}
         if use_kernel and B <= kernels.TREE_MAX_BUDGET:
-            r["kernel_us"] = median_time(lambda: T.build_tree_kernel(logits, roots, B), device, graph) * 1e6
-            got, want = T.build_tree_kernel(logits, roots, B), T.build_tree_ops(logits, roots, B)
-            r["same"] = all(torch.equal(getattr(got, f), getattr(want, f)) for f in fields) and (
-                got.mask_bits is None or torch.equal(got.mask_bits, kernels.tree_mask_bits(want.ancestor_mask)))
+            r["kernel_us"] = median_time(lambda: T.build_tree_batched(logits, roots, B), device, graph) * 1e6
+            got, want = T.build_tree_batched(logits, roots, B), _tree_by_ops(logits, roots, B)
+            pairs = [(getattr(got, f.name), getattr(want, f.name)) for f in dataclasses.fields(T.Tree)]
+            r["same"] = all(torch.equal(x, y) if x is not None else y is None for x, y in pairs)
         rows.append(r)
-    print0(table(["budget", "build_tree_ops us", "build_tree_kernel us", "ranking us", "same tree"],
+    print0(table(["budget", "tensor ops us", "search kernel us", "ranking us", "same tree"],
                  [[r["budget"], _f(r["ops_us"]), _f(r["kernel_us"]), _f(r["rank_us"]), r["same"]] for r in rows]))
     if not use_kernel:
-        print0("(no GPU kernel here: build_tree_batched uses build_tree_ops)")
+        print0("(no GPU kernel here: build_tree_batched uses ddtree_search's tensor ops)")
     return {"graph": graph, "rows": rows}
 
 
 def _event_median_us(fn, before, device, n: int = 100) -> float:
     """Median µs of fn() alone (CUDA events around it; before() runs untimed first), or wall clock on a CPU."""
-    if device.type == "cuda":
-        return kernels.event_median_us(fn, n, before)
     ts = []
     for _ in range(n):
         before()
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e6)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ts.append(start.elapsed_time(end) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(ts)
 
 
@@ -1157,10 +1180,11 @@ def graph_node_floor(device, sizes=(1, 10, 100, 200)) -> list[dict]:
     """What a CUDA-graph replay costs per kernel on this GPU, whatever the kernels do: a graph of N dependent
     one-element adds (~1 µs kernels). replay - kernel sum is the replay's own cost (a fixed part + a gap per node):
     the floor under any step made of short kernels."""
+    import generate as G
     rows = []
     x = torch.zeros(1, device=device)
     for n in sizes:
-        g = kernels.capture_graph(lambda: [x.add_(1) for _ in range(n)])
+        g = G.capture_graph(lambda: [x.add_(1) for _ in range(n)])
         replay = _event_median_us(g.replay, lambda: None, device)
         k = kernel_times(g.replay, device)
         rows.append({"nodes": n, "replay_us": replay, "kernels_us": k["kernels_us"],
@@ -1187,12 +1211,12 @@ def bench_step(a, device, dtype) -> dict:
         for budget in a.step_budgets:
             if budget and drafter is None:
                 continue
-            G.StaticStep.clear()                  # one runner: this mode and budget
+            G.Step.cache.clear()                  # one step: this mode and budget
             G.generate(target, ids, 16, drafter=drafter if budget else None, budget=budget, mode=mode,
                        max_seq_len=len(ids) + 16 + 2 * (budget + 1) + 64)   # compiles / captures the step
-            (runner,) = G.StaticStep.runners()
+            (runner,) = G.Step.cache.values()
             restore = runner.snapshot()
-            step = runner.graph.replay if runner.graph is not None else runner.fn
+            step = lambda: runner.run(budget > 0)  # the plain, compiled or captured step; no host read
             restore(), step()
             first = runner.out.clone()            # [1, N+1]: accept length, committed tokens
             us = _event_median_us(step, restore, device)
@@ -1211,6 +1235,206 @@ def bench_step(a, device, dtype) -> dict:
             f"N={f['nodes']}: replay {f['replay_us']:.1f} us over {f['kernels_us']:.1f} us of kernels "
             f"({f['ratio']:.2f}x)" for f in floor))
     return {"rows": rows, "graph_node_floor": floor}
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels: the INT4 MoE and the MLA attention kernels against their references at K2.6 shapes on one GPU, with
+# eager, CUDA-graph and cold-L2 timings; --sweep: their launch configs, one setting at a time
+
+
+def _graph_us(fn, device, n: int = 25) -> float:
+    """Median µs of replaying fn captured in a CUDA graph, one replay at a time."""
+    import generate as G
+    return _event_median_us(G.capture_graph(fn).replay, lambda: None, device, n)
+
+
+def _cold_us(fn, device) -> float:
+    """µs of fn with a cold L2, as in a model step (each layer's cache and experts come from HBM once): a graph of
+    [write twice the L2's size, fn] minus a graph of the write alone."""
+    flush = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size // 4, dtype=torch.int32,
+                        device=device)
+    return _graph_us(lambda: (flush.fill_(1), fn()), device) - _graph_us(lambda: flush.fill_(1), device)
+
+
+def mla_attention_work(T: int, H: int, keys: int, R: int, P: int, block_rows: int = 64) -> dict:
+    """What one mla_tree_attention call over `keys` cache slots must read and multiply: the cache bytes (bf16),
+    the MMA flops of the scores (R + P per key) and of P @ V (R per key) for the T*H query rows, and the flops as
+    the kernel runs them (whole blocks of `block_rows` query rows)."""
+    rows, per_row = T * H, 2 * keys * (2 * R + P)
+    padded = -(-rows // block_rows) * block_rows
+    return dict(bytes=keys * (R + P) * 2, flops=rows * per_row, flops_executed=padded * per_row)
+
+
+tl = kernels.tl                    # triton.language, for the read yardstick
+
+
+@kernels.triton.jit
+def _read_sum_kernel(x_ptr, out_ptr, N, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # the read yardstick: each program sums one contiguous chunk of x, so every byte is read once
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(0, CHUNK, BLOCK):
+        offs = pid * CHUNK + i + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc))
+
+
+def plain_read_us(x: torch.Tensor) -> float:
+    """Cold-L2 µs of the fastest plain read of x over a few grids (4-16 programs an SM, 4096-8192 elements a
+    step): the pace a memory-bound kernel reading x could at best keep."""
+    n, best, total = x.numel(), float("inf"), x.float().sum()
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    for per_sm in (4, 8, 16):
+        for BLOCK in (4096, 8192):
+            chunk = -(-(-(-n // (per_sm * sms))) // BLOCK) * BLOCK
+            out = torch.empty(-(-n // chunk), device=x.device, dtype=torch.float32)
+            fn = lambda: _read_sum_kernel[(out.numel(),)](x, out, n, CHUNK=chunk, BLOCK=BLOCK, num_warps=8)
+            fn()
+            torch.testing.assert_close(out.sum(), total, rtol=1e-3, atol=1.0)      # it did read all of x
+            best = min(best, _cold_us(fn, x.device))
+    return best
+
+
+def _kernel_row(label: str, case, kernel, ref, tol: float, bw: float, device) -> dict:
+    """case() -> (args, bytes read, extra columns: a string, or a function of the cold time): kernel vs reference
+    error, eager / graph (L2 warm) / cold-L2 graph µs, GB/s of the cold time and its share of the copy bandwidth.
+    An exception is reported on the row (and fails the run) instead of stopping the table."""
+    try:
+        args, nbytes, extra = case()
+        a, b = kernel(*args).float(), ref(*args).float()
+        rel = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+        eager, graph = (median_time(lambda: kernel(*args), device, graph=g) * 1e6 for g in (False, True))
+        cold = _cold_us(lambda: kernel(*args), device)
+        gbps = nbytes / cold / 1e3
+        head, tail = ("", extra(cold)) if callable(extra) else (extra, "")
+        print0(f"{label}{head} {rel:>9.2e} {eager:>9.1f} {graph:>9.1f} {cold:>8.1f} {gbps:>7.0f} "
+               f"{100 * gbps / bw:>5.1f}%{tail}{'' if rel < tol else '  FAIL'}")
+        return {"case": label.split(), "rel_err": rel, "eager_us": eager, "graph_us": graph, "cold_us": cold,
+                "ok": rel < tol}
+    except Exception as exc:
+        print0(f"{label}  ERROR {type(exc).__name__}: {str(exc)[:200]}")
+        return {"case": label.split(), "error": str(exc)[:200], "ok": False}
+
+
+@torch.no_grad()
+def bench_kernels(a, device, dtype) -> dict:
+    """The INT4 MoE (E = 384, D = 7168, top-8, group 32; I = 256, a TP8 slice, and 2048, whole experts) and the MLA
+    attention (R = 512, P = 64, 8 and 64 heads, a random tree) at T = 1 .. 128 new tokens, kernel vs reference."""
+    if device.type != "cuda" or not kernels.use_triton(device):
+        print0("\n## kernels: needs a CUDA GPU and triton (tests/test_kernels.py checks the kernels on a CPU)")
+        return {"skipped": "needs a CUDA GPU and triton"}
+    if a.sweep:
+        return kernel_sweep(device, dtype)
+    tol, rows = 2e-2, []
+    bw = copy_bandwidth(device, 2**30) / 1e9                                                  # GB/s
+    print0(f"\n## kernels: {torch.cuda.get_device_name(device)}, {dtype}, tol {tol}; copy bandwidth {bw:.0f} GB/s"
+           f" ('% bw' = GB/s / that); graph: CUDA graph replayed back to back (inputs that fit stay in L2); cold:"
+           f" after writing twice the L2, as in a model step; GB/s, % bw and TF/s from the cold time")
+    print0(f"\nINT4 MoE: GB/s = INT4 weights + scales of the used experts / time; T <= {kernels.MOE_GEMV_MAX_T}: the "
+           f"GEMV path, above: tl.dot\n{'I':>5} {'T':>3} {'experts':>7} {'rel err':>9} {'eager us':>9} "
+           f"{'graph us':>9} {'cold us':>8} {'GB/s':>7} {'% bw':>6}")
+    E, D, K, G = 384, 7168, 8, 32
+    for I in (256, 2048):
+        weights = rand_experts(E, D, I, G, dtype, device)
+        expert_bytes = sum(w[0].numel() * w.element_size() for w in weights)
+        for T in (1, 9, 17, 33, 64, 128):
+            def case():
+                x = torch.randn(T, D, device=device, dtype=dtype)
+                x[0, 5] = 1e4 if T == 1 else x[0, 5]     # an outlier: fp16 activations must be scaled, not overflow
+                topk_weights, topk_ids = torch.rand(T, E, device=device).topk(K, dim=-1)
+                topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).float()
+                n_exp = topk_ids.unique().numel()
+                return (x, topk_ids, topk_weights, *weights), n_exp * expert_bytes, f" {n_exp:>7}"
+            rows.append(_kernel_row(f"{I:>5} {T:>3}", case, kernels.fused_moe_w4a16, M.int4_experts.ref, tol, bw,
+                                    device))
+        weights = None
+        _free(device)
+
+    a_ = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    peak = 2 * 8192**3 / median_time(lambda: a_ @ a_, device) / 1e12                          # TF/s, cuBLAS
+    print0(f"\nMLA attention: B = 1, a random tree (packed mask rows); GB/s = cache bytes read ((prefix+T) x 576 x 2)"
+           f" / time; MMA TF/s = flops as run (T*H rows in whole query blocks) / time; floor = max(bytes / copy "
+           f"bandwidth, flops / {peak:.0f} TF/s, a bf16 8192^3 matmul)\n{'H':>3} {'T':>3} {'prefix':>7} "
+           f"{'rel err':>9} {'eager us':>9} {'graph us':>9} {'cold us':>8} {'GB/s':>7} {'% bw':>6} {'MMA TF/s':>8} "
+           f"{'floor us':>8} {'% floor':>7}")
+    R, P, scale = 512, 64, 0.14468
+    for H in (8, 64):                                   # TP8 heads per rank, all heads
+        for T in (1, 9, 17, 33, 64):
+            for prefix in (0, 1, 1000, 32768):
+                def case():
+                    q_lat = torch.randn(1, T, H, R, device=device, dtype=dtype)
+                    q_pe = torch.randn(1, T, H, P, device=device, dtype=dtype)
+                    cache = torch.randn(1, prefix + T + 5, R + P, device=device, dtype=dtype)
+                    parents = torch.tensor([-1] + [int(torch.randint(0, t, ())) for t in range(1, T)])
+                    bits = M.tree_mask_bits(ancestor_mask(parents)[None].to(device))          # [1, T] int64
+                    wide = T * H >= kernels.ATTN_WIDE["min_rows"]
+                    block = (kernels.ATTN_WIDE if wide else kernels.ATTN_BLOCKS)["BLOCK_Q"]
+                    work = mla_attention_work(T, H, prefix + T, R, P, block)
+                    floor = max(work["bytes"] / bw / 1e3, work["flops"] / peak / 1e6)         # µs
+
+                    def columns(us):
+                        return f" {work['flops_executed'] / us / 1e6:>8.0f} {floor:>8.1f} {100 * floor / us:>6.1f}%"
+                    args = (q_lat, q_pe, cache, torch.tensor([prefix], device=device), bits, scale)
+                    return args, work["bytes"], columns
+                rows.append(_kernel_row(f"{H:>3} {T:>3} {prefix:>7}", case, kernels.mla_tree_attention,
+                                        M.mla_tree_attention.ref, tol, bw, device))
+    cache = torch.randn(1, 32768 + 17, R + P, device=device, dtype=dtype)
+    us = plain_read_us(cache)
+    print0(f"a plain read of a 32k-slot cache ({cache.numel() * 2 / 1e6:.1f} MB): {us:.1f} us cold, "
+           f"{100 * cache.numel() * 2 / us / 1e3 / bw:.1f}% of the copy bandwidth")
+    ok = all(r["ok"] for r in rows)
+    print0("kernels:", "PASSED" if ok else "FAILED")
+    return {"copy_GBps": bw, "mma_TFps": peak, "plain_read_32k_us": us, "rows": rows, "passed": ok}
+
+
+def kernel_sweep(device, dtype) -> dict:
+    """Launch configs at K2.6 TP8 shapes (CUDA-graph medians, µs): one setting changed at a time from the default."""
+    from triton.testing import do_bench_cudagraph
+    out = []
+
+    def run(table, key, options, cases):
+        default = dict(table[key])
+        for opt in options:
+            table[key] = dict(default, **opt)              # the launchers read these tables at call time
+            try:
+                times = [do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3 for fn in cases.values()]
+            except Exception as exc:
+                times = [f"ERROR {type(exc).__name__}: {str(exc)[:80]}"]
+            print0(f"  {key:11} {str(opt):64} " + " ".join(f"{t:8.1f}" if isinstance(t, float) else t for t in times))
+            out.append({"table": key, "setting": opt, "us": times})
+        table[key] = default
+
+    E, D, K = 384, 7168, 8
+    moe = {}
+    for I, Ts in ((256, (1, 9)), (2048, (9, 17))):     # TP8 slice (latency regime), whole experts on one GPU
+        weights = rand_experts(E, D, I, 32, dtype, device)
+        for T in Ts:
+            x = torch.randn(T, D, device=device, dtype=dtype)
+            w, ids = torch.rand(T, E, device=device).topk(K, dim=-1)
+            moe[(I, T)] = (lambda a: lambda: kernels.fused_moe_w4a16(*a))((x, ids, w.float().contiguous(), *weights))
+    print0(f"\n## kernels --sweep\nINT4 MoE (GEMV path), us at (I, T) = {list(moe)}; defaults "
+           f"{kernels.MOE_GEMV_BLOCKS}")
+    grid = [dict(BLOCK_N=n, BLOCK_W=w, num_warps=nw, num_stages=st)
+            for n in (8, 16, 32, 64) for w in (32, 64, 128) for nw in (4, 8) for st in (2, 3)]
+    run(kernels.MOE_GEMV_BLOCKS, "gate_up", grid, moe)
+    run(kernels.MOE_GEMV_BLOCKS, "down", grid, moe)
+    del weights, moe
+    _free(device)
+
+    R, P, attn = 512, 64, {}
+    for H, T, prefix in ((8, 1, 32768), (8, 9, 32768), (8, 17, 32768), (8, 33, 32768), (64, 9, 4096)):
+        args = (torch.randn(1, T, H, R, device=device, dtype=dtype), torch.randn(1, T, H, P, device=device, dtype=dtype),
+                torch.randn(1, prefix + T, R + P, device=device, dtype=dtype), torch.tensor([prefix], device=device),
+                M.tree_mask_bits(torch.ones(1, T, T, dtype=torch.bool, device=device).tril()), 0.14468)
+        attn[(H, T, prefix)] = (lambda a: lambda: kernels.mla_tree_attention(*a))(args)
+    print0(f"MLA attention, us at (H, T, prefix) = {list(attn)}; defaults {kernels.ATTN_BLOCKS} "
+           f"{kernels.ATTN_SPLITS} {kernels.ATTN_WIDE}")
+    grid = [dict(BLOCK_Q=q, BLOCK_S=bs, num_warps=nw, num_stages=st)
+            for q in (16, 32) for bs in (16, 32, 64) for nw in (4, 8) for st in (1, 2, 3)]
+    run(vars(kernels), "ATTN_BLOCKS", grid, attn)
+    splits = [dict(max_splits=m, min_split_len=n, waves=w) for m in (64, 256) for n in (64, 128, 256) for w in (1, 2, 4)]
+    run(vars(kernels), "ATTN_SPLITS", splits, attn)
+    return {"sweep": out}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1280,7 +1504,8 @@ def main(argv: list[str] | None = None) -> dict:
             print0(f"\n## {mode}: skipped under torchrun (single-process mode)")
             continue
         fn = {"e2e": bench_e2e, "layers": bench_layers, "moe-split": bench_moe_split, "draft": bench_draft,
-              "allreduce": bench_allreduce, "peer": bench_peer, "tree": bench_tree, "step": bench_step}[mode]
+              "allreduce": bench_allreduce, "peer": bench_peer, "tree": bench_tree, "step": bench_step,
+              "kernels": bench_kernels}[mode]
         if mode == "e2e" and a.batch:
             fn = bench_batch
         try:
@@ -1308,7 +1533,8 @@ def _floats(s: str) -> list[float]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("mode", choices=["e2e", "step", "layers", "moe-split", "draft", "allreduce", "peer", "tree", "all"])
+    p.add_argument("mode", choices=["e2e", "step", "layers", "moe-split", "draft", "allreduce", "peer", "tree", "kernels",
+                                    "all"])
     p.add_argument("--batch", type=_ints, default=[], help="e2e: batch sizes (e.g. 1,4,16,64): batched decoding")
     p.add_argument("--step-mode", choices=["eager", "static", "graph", "compile", "graph+compile"], default="eager",
                    help="e2e decode loop: the eager reference, the fixed-shape step, that step as a CUDA graph, or compiled")
@@ -1345,6 +1571,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     l.add_argument("--copy-mb", type=int, default=0, help="size of the bandwidth copy (0: 2048 on CUDA, 128 on CPU)")
     l.add_argument("--peer-experts", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"],
                    help="transformers' experts implementation (grouped_mm is its default for models)")
+    k = p.add_argument_group("kernels")
+    k.add_argument("--sweep", action="store_true", help="kernels: sweep the MoE and attention launch configs instead")
     t = p.add_argument_group("tree")
     t.add_argument("--vocab", type=int, default=163840, help="tree: vocabulary size of the draft logits (Kimi's)")
     t.add_argument("--tree-depth", type=int, default=7, help="tree: depths L (block_size - 1)")

@@ -19,9 +19,12 @@ never sees rejected branches: the caller passes features of accepted tokens only
 
 Tensor parallel (torchrun), like the target: each rank holds 1/world_size of the drafter's heads, of its
 intermediate rows and of fc's input columns, and only its own kv heads in the context cache. Replicating it
-would be simpler, but the Kimi drafter is ~3.5B params (6.5 GB bf16): every draft step would read all of it
-on every GPU (~1.5 ms at 4.3 TB/s, more than a whole TP8 target step); split 8 ways a rank reads ~0.8 GB
-and pays 2 all-reduces per layer + 1 (see DFlashDrafter.forward).
+would be simpler, but the Kimi drafter is ~3.5B params (6.5 GB bf16), which every draft step would then read in
+full on every GPU; split 8 ways a rank reads ~0.8 GB and pays 2 all-reduces per layer + 1 (DFlashDrafter.forward).
+
+Reading order: DraftArgs; rope; the layer's two ops with a fast path (qkv_norm_rope, block_attention: plain
+PyTorch here, one Triton launch each on a GPU, kernels.py); Attention, Layer; DFlashDrafter (forward,
+draft_logits); then the checkpoint I/O (config parsing, loader, writer, tiny config).
 """
 from __future__ import annotations
 
@@ -35,21 +38,16 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checkpoint as C
 import kernels
 import model as M
-from model import CheckpointError, RMSNorm
-
-
-def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DFlash's default taps: evenly spaced from layer 1 to layer T-3 (Python round, as upstream)."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+from checkpoint import CheckpointError
+from model import RMSNorm
 
 
 # ----------------------------------------------------------------------------------------------
 # Config: a Qwen3Config plus block_size, num_target_layers, dflash_config{mask_token_id, target_layer_ids}
+# (parsed and checked by _draft_args_from_dict, in the checkpoint I/O at the end of the file)
 
 
 @dataclass
@@ -88,115 +86,7 @@ class DraftArgs:
 
     @staticmethod
     def from_config(path_or_dict) -> "DraftArgs":
-        return _draft_args_from_dict(*M.read_config(path_or_dict, "drafter config"))
-
-
-def _draft_args_from_dict(cfg: dict, where: str) -> DraftArgs:
-    dcfg = cfg.get("dflash_config") or {}
-
-    def bad(key, msg):
-        return ValueError(f"{where}: {key} {msg}")
-
-    def need(key):
-        if cfg.get(key) is None:
-            raise bad(key, "is missing (required)")
-        return cfg[key]
-
-    def dflash(key, default=None, required=False):   # upstream: dflash_config first, then the top level
-        v = dcfg.get(key, cfg.get(key))
-        if v is None and required:
-            raise bad(f"dflash_config.{key}", "is missing (required)")
-        return default if v is None else v
-
-    if cfg.get("model_type", "qwen3") != "qwen3":
-        raise bad("model_type", f"= {cfg['model_type']!r} is not supported (expected 'qwen3')")
-    archs = [a for a in cfg.get("architectures") or [] if a != "DFlashDraftModel"]
-    if archs:
-        raise bad("architectures", f"= {archs} is not supported (expected ['DFlashDraftModel'])")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise bad("hidden_act", f"= {cfg['hidden_act']!r} is not supported (expected 'silu')")
-    sliding = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
-    if sliding or cfg.get("use_sliding_window"):
-        raise bad("layer_types", f"has {sliding or 'use_sliding_window'}: sliding-window drafter layers "
-                                 f"are not supported (only 'full_attention')")
-    if dflash("is_causal"):
-        raise bad("is_causal", "= true is not supported (DFlash blocks attend non-causally)")
-
-    # Rope: older files say rope_theta + rope_scaling; transformers 5 writes rope_parameters.
-    rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
-    theta = cfg.get("rope_theta", rope.get("rope_theta"))
-    if theta is None:
-        raise bad("rope_theta", "is missing (neither rope_theta nor rope_parameters.rope_theta)")
-    rope_type = rope.get("rope_type", rope.get("type")) or "default"
-    if rope_type not in ("default", "yarn"):
-        raise bad("rope_scaling.rope_type", f"= {rope_type!r} is not supported (expected 'yarn' or none)")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise bad("partial_rotary_factor", f"= {rope['partial_rotary_factor']} is not supported (expected 1)")
-    yarn = {}
-    if rope_type == "yarn":
-        for key in ("factor", "original_max_position_embeddings"):
-            if rope.get(key) is None:
-                raise bad(f"rope_scaling.{key}", "is missing (required for yarn)")
-        af = rope.get("attention_factor")
-        yarn = dict(rope_factor=float(rope["factor"]),
-                    original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                    beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
-                    rope_truncate=bool(rope.get("truncate", True)),
-                    rope_attention_factor=None if af is None else float(af))
-
-    n_heads, hidden = need("num_attention_heads"), need("hidden_size")
-    ids, mask_id = dflash("target_layer_ids", required=True), dflash("mask_token_id", required=True)
-    cap = dflash("final_logit_softcapping")
-    args = DraftArgs(
-        hidden_size=hidden, intermediate_size=need("intermediate_size"), num_hidden_layers=need("num_hidden_layers"),
-        num_attention_heads=n_heads, num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
-        head_dim=cfg.get("head_dim") or hidden // n_heads, rms_norm_eps=float(need("rms_norm_eps")),
-        rope_theta=float(theta), max_position_embeddings=need("max_position_embeddings"),
-        block_size=int(need("block_size")), num_target_layers=int(need("num_target_layers")),
-        mask_token_id=int(mask_id), target_layer_ids=[int(i) for i in ids], vocab_size=cfg.get("vocab_size"),
-        attention_bias=bool(cfg.get("attention_bias", False)), rope_type=rope_type,
-        input_embedding_scale=float(dflash("input_embedding_scale", 1.0)),
-        output_multiplier=float(dflash("output_multiplier", 1.0)),
-        final_logit_softcapping=float(cap) if cap else None, **yarn)
-    if n_heads % args.num_key_value_heads:
-        raise bad("num_key_value_heads", f"= {args.num_key_value_heads} does not divide num_attention_heads = {n_heads}")
-    if args.head_dim % 2 or args.block_size < 2 or not ids:
-        raise bad("head_dim/block_size/target_layer_ids", f"= {args.head_dim}/{args.block_size}/{ids}: need an "
-                                                          f"even head_dim, block_size >= 2, at least one layer id")
-    return args
-
-
-def check_compatible(d: DraftArgs, t: M.ModelArgs) -> None:
-    """Reject a drafter that cannot run on this target, before anything is loaded or computed."""
-    T = t.num_hidden_layers
-    for i in d.target_layer_ids:
-        if not 0 <= i < T:
-            raise ValueError(f"drafter target_layer_ids contains {i}, outside the target's layers [0, {T}) "
-                             f"(target num_hidden_layers = {T})")
-    if list(d.target_layer_ids) != sorted(set(d.target_layer_ids)):
-        # model.Transformer concatenates the taps in layer order; DFlash concatenates in list order
-        raise ValueError(f"drafter target_layer_ids {d.target_layer_ids} must be strictly increasing")
-    if d.num_target_layers != T:
-        raise ValueError(f"drafter num_target_layers = {d.num_target_layers} but target num_hidden_layers = {T}")
-    if d.hidden_size != t.hidden_size:
-        raise ValueError(f"drafter hidden_size = {d.hidden_size} but target hidden_size = {t.hidden_size}")
-    # The fc input width is then len(target_layer_ids) x target hidden_size by construction; a checkpoint whose
-    # fc.weight disagrees is rejected by load_drafter's shape check, which names that product.
-    if d.vocab_size is not None and d.vocab_size != t.vocab_size:
-        raise ValueError(f"drafter vocab_size = {d.vocab_size} but target vocab_size = {t.vocab_size}")
-    if not 0 <= d.mask_token_id < t.vocab_size:
-        raise ValueError(f"drafter mask_token_id = {d.mask_token_id} is outside the target vocab_size = {t.vocab_size}")
-
-
-def check_tp_divisibility(a: DraftArgs, ws: int) -> None:
-    """Fail before allocating anything if the world size cannot split the drafter evenly: whole q heads and
-    whole kv heads per rank (a kv head is never replicated), whole intermediate rows and fc input columns."""
-    checks = [("num_attention_heads", a.num_attention_heads), ("num_key_value_heads", a.num_key_value_heads),
-              ("intermediate_size", a.intermediate_size),
-              ("fc input width len(target_layer_ids) x hidden_size", a.fc_in)]
-    for name, value in checks:
-        if value % ws:
-            raise ValueError(f"tensor parallel size {ws} does not divide drafter {name}={value}")
+        return _draft_args_from_dict(*C.read_config(path_or_dict, "drafter config"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,8 +127,47 @@ def rope_cos_sin(inv_freq: torch.Tensor, amp: float, positions: torch.Tensor, dt
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, H, hd]: rotate the pairs (x[i], x[i + hd/2]) (x * cos + rotate_half(x) * sin, bit for bit):
-    model.apply_rope on Qwen3's halves."""
-    return M.apply_rope(x, cos, sin, interleaved=False)
+    model.rope on Qwen3's halves."""
+    return M.rope(x, cos, sin, interleaved=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer's middle as two ops with a fast path: plain PyTorch here, one Triton launch each on a GPU
+# (@kernels.fast picks it; kernels.py holds the kernels and the conditions they need).
+
+
+@kernels.fast
+def qkv_norm_rope(qkv, n_heads: int, n_kv: int, q_weight, k_weight, eps: float, cos, sin, k_cache, v_cache, slots,
+                  q_start: int, interleaved: bool = False) -> torch.Tensor:
+    """qkv [B, T, (H + 2 KV) hd]: the fused q|k|v projection of T rows. Every row's key, RMS-normed per head
+    (k_norm) and rotated, and its value go to k_cache / v_cache [Bmax, S, KV, hd] at (b, slots[b, t]); returns
+    the queries of rows t >= q_start, q_norm'ed and rotated, [B, T - q_start, H, hd]. cos / sin [B, T, hd]
+    (rope_cos_sin; Qwen3's halves unless interleaved)."""
+    B = qkv.shape[0]
+    q, k, v = qkv.unflatten(-1, (n_heads + 2 * n_kv, -1)).split([n_heads, n_kv, n_kv], dim=2)  # [B, T, heads, hd]
+    rows = torch.arange(B, device=qkv.device)[:, None]                                          # [B, 1]
+    k_cache[rows, slots] = M.rope(M.rms_norm(k, k_weight, eps), cos, sin, interleaved)
+    v_cache[rows, slots] = v
+    return M.rope(M.rms_norm(q[:, q_start:], q_weight, eps), cos[:, q_start:], sin[:, q_start:], interleaved)
+
+
+@kernels.fast
+def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=None) -> torch.Tensor:
+    """The block's attention: q [B, T, H, hd] (the T block tokens' queries), k_cache / v_cache [B, S, KV, hd]
+    (GQA: query head h reads kv head h // (H / KV)); row b sees its keys s < prefix_len[b] + T, the context then
+    the block itself, with no mask -> [B, T, H, hd]. softmax(q k^T * scale) v in fp32 (as flash attention
+    computes it), cast back to q's dtype: two matmuls, the G = H / KV query heads of a kv head stacked as the
+    rows of one. (Not F.scaled_dot_product_attention: with a mask and this few query rows per head it may pick a
+    cuDNN kernel that spreads the little work over few blocks.)"""
+    B, T, H, hd = q.shape
+    S, KV = k_cache.shape[1], k_cache.shape[2]
+    qg = q.float().transpose(1, 2).reshape(B, KV, H // KV * T, hd)                       # [B, KV, G*T, hd]
+    s = torch.matmul(qg, k_cache.float().transpose(1, 2).transpose(-1, -2)) * softmax_scale   # [B, KV, G*T, S]
+    visible = torch.arange(S, device=q.device) < (prefix_len + T)[:, None]             # [B, S]
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    o = torch.matmul(s.softmax(-1), v_cache.float().transpose(1, 2)).view(B, H, T, hd).transpose(1, 2)
+    o = o.to(q.dtype)                                                                   # [B, T, H, hd]
+    return o if out is None else out.copy_(o)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -283,8 +212,6 @@ class Attention(M.SharesRows):
         self.q_norm = RMSNorm(self.hd, a.rms_norm_eps)     # per head, before rope (Qwen3)
         self.k_norm = RMSNorm(self.hd, a.rms_norm_eps)
         self.share()                             # qkv_weight [(H + 2 KV) hd / ws, D], qkv_bias (or None)
-        # the Triton kernels tile head_dim with tl.arange / tl.dot: a power of two >= 16 (else the references)
-        self.kernels_fit = self.hd >= 16 and self.hd & (self.hd - 1) == 0
 
     def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> roped K, V [B, T, n_kv, hd]: the plain equations (the prompt's context rows, training).
@@ -299,17 +226,13 @@ class Attention(M.SharesRows):
         (input_layernorm'ed); cos / sin [B, n_ctx + bs, hd] and slots [B, n_ctx + bs]: their rope positions and
         cache slots. Every row's K/V goes to this layer's k_cache / v_cache [Bmax, slots, n_kv, hd]; then the block's
         queries attend over row b's first prefix[b] + bs slots (of S): the context, then the block itself, which
-        sits at prefix[b] ... -> [B, bs, D]. On a GPU: one GEMM, two kernels (kernels.qkv_norm_rope,
-        kernels.block_attention) and o_proj."""
+        sits at prefix[b] ... -> [B, bs, D]. One GEMM, qkv_norm_rope, block_attention and o_proj."""
         B = x.shape[0]
         qkv = M.linear_rows(x, self.qkv_weight, self.q_proj, self.k_proj, self.v_proj, split=False,
                             bias=self.qkv_bias)                                           # [B, N, (H+2KV) hd]
-        fast = M.fused(x.device) and self.kernels_fit
-        q = (kernels.qkv_norm_rope if fast else kernels.qkv_norm_rope_ref)(
-            qkv, self.n_heads, self.n_kv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,
-            k_cache, v_cache, slots, q_start=n_ctx)                                       # [B, bs, H, hd]
-        attend = kernels.block_attention if fast else kernels.block_attention_ref
-        o = attend(q, k_cache[:B, :S], v_cache[:B, :S], prefix, self.hd ** -0.5)           # [B, bs, H, hd]
+        q = qkv_norm_rope(qkv, self.n_heads, self.n_kv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                          cos, sin, k_cache, v_cache, slots, q_start=n_ctx)              # [B, bs, H, hd]
+        o = block_attention(q, k_cache[:B, :S], v_cache[:B, :S], prefix, self.hd ** -0.5)  # [B, bs, H, hd]
         y = self.o_proj(o.flatten(2))                                                      # [B, bs, D]
         if M.world_size > 1:
             dist.all_reduce(y)                  # o_proj is row-parallel: sum the heads' partial outputs
@@ -455,7 +378,7 @@ class DFlashDrafter(nn.Module):
         x = target.embed_tokens(block)                                                   # [B, bs, D]
         if a.input_embedding_scale != 1.0:
             x = x * a.input_embedding_scale
-        h = self.forward(x, ctx_feats, ctx_len, n_valid)                                           # [B, bs, D]
+        h = self.forward(x, ctx_feats, ctx_len, n_valid)                                 # [B, bs, D]
         logits = target.head(h[:, 1:].to(target.lm_head.weight.dtype))                   # [B, bs-1, V]
         if a.output_multiplier != 1.0:
             logits = logits * a.output_multiplier
@@ -464,8 +387,127 @@ class DFlashDrafter(nn.Module):
         return logits
 
 
-# ----------------------------------------------------------------------------------------------
-# Checkpoints: config.json + model.safetensors (or index + shards), unprefixed names like the public ones.
+# ==============================================================================================
+# Checkpoint I/O: config parsing and checks, the safetensors loader, the writer, a tiny config for tests.
+# Checkpoints are config.json + model.safetensors (or index + shards), unprefixed names like the public ones.
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default taps: evenly spaced from layer 1 to layer T-3 (Python round, as upstream)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def _draft_args_from_dict(cfg: dict, where: str) -> DraftArgs:
+    dcfg = cfg.get("dflash_config") or {}
+
+    def bad(key, msg):
+        return ValueError(f"{where}: {key} {msg}")
+
+    def need(key):
+        if cfg.get(key) is None:
+            raise bad(key, "is missing (required)")
+        return cfg[key]
+
+    def dflash(key, default=None, required=False):   # upstream: dflash_config first, then the top level
+        v = dcfg.get(key, cfg.get(key))
+        if v is None and required:
+            raise bad(f"dflash_config.{key}", "is missing (required)")
+        return default if v is None else v
+
+    if cfg.get("model_type", "qwen3") != "qwen3":
+        raise bad("model_type", f"= {cfg['model_type']!r} is not supported (expected 'qwen3')")
+    archs = [a for a in cfg.get("architectures") or [] if a != "DFlashDraftModel"]
+    if archs:
+        raise bad("architectures", f"= {archs} is not supported (expected ['DFlashDraftModel'])")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise bad("hidden_act", f"= {cfg['hidden_act']!r} is not supported (expected 'silu')")
+    sliding = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
+    if sliding or cfg.get("use_sliding_window"):
+        raise bad("layer_types", f"has {sliding or 'use_sliding_window'}: sliding-window drafter layers "
+                                 f"are not supported (only 'full_attention')")
+    if dflash("is_causal"):
+        raise bad("is_causal", "= true is not supported (DFlash blocks attend non-causally)")
+
+    # Rope: older files say rope_theta + rope_scaling; transformers 5 writes rope_parameters.
+    rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
+    theta = cfg.get("rope_theta", rope.get("rope_theta"))
+    if theta is None:
+        raise bad("rope_theta", "is missing (neither rope_theta nor rope_parameters.rope_theta)")
+    rope_type = rope.get("rope_type", rope.get("type")) or "default"
+    if rope_type not in ("default", "yarn"):
+        raise bad("rope_scaling.rope_type", f"= {rope_type!r} is not supported (expected 'yarn' or none)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise bad("partial_rotary_factor", f"= {rope['partial_rotary_factor']} is not supported (expected 1)")
+    yarn = {}
+    if rope_type == "yarn":
+        for key in ("factor", "original_max_position_embeddings"):
+            if rope.get(key) is None:
+                raise bad(f"rope_scaling.{key}", "is missing (required for yarn)")
+        af = rope.get("attention_factor")
+        yarn = dict(rope_factor=float(rope["factor"]),
+                    original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                    beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                    rope_truncate=bool(rope.get("truncate", True)),
+                    rope_attention_factor=None if af is None else float(af))
+
+    n_heads, hidden = need("num_attention_heads"), need("hidden_size")
+    ids, mask_id = dflash("target_layer_ids", required=True), dflash("mask_token_id", required=True)
+    cap = dflash("final_logit_softcapping")
+    args = DraftArgs(
+        hidden_size=hidden, intermediate_size=need("intermediate_size"), num_hidden_layers=need("num_hidden_layers"),
+        num_attention_heads=n_heads, num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
+        head_dim=cfg.get("head_dim") or hidden // n_heads, rms_norm_eps=float(need("rms_norm_eps")),
+        rope_theta=float(theta), max_position_embeddings=need("max_position_embeddings"),
+        block_size=int(need("block_size")), num_target_layers=int(need("num_target_layers")),
+        mask_token_id=int(mask_id), target_layer_ids=[int(i) for i in ids], vocab_size=cfg.get("vocab_size"),
+        attention_bias=bool(cfg.get("attention_bias", False)), rope_type=rope_type,
+        input_embedding_scale=float(dflash("input_embedding_scale", 1.0)),
+        output_multiplier=float(dflash("output_multiplier", 1.0)),
+        final_logit_softcapping=float(cap) if cap else None, **yarn)
+    if n_heads % args.num_key_value_heads:
+        raise bad("num_key_value_heads",
+                  f"= {args.num_key_value_heads} does not divide num_attention_heads = {n_heads}")
+    if args.head_dim % 2 or args.block_size < 2 or not ids:
+        raise bad("head_dim/block_size/target_layer_ids", f"= {args.head_dim}/{args.block_size}/{ids}: need an "
+                                                          f"even head_dim, block_size >= 2, at least one layer id")
+    return args
+
+
+def check_compatible(d: DraftArgs, t: M.ModelArgs) -> None:
+    """Reject a drafter that cannot run on this target, before anything is loaded or computed."""
+    T = t.num_hidden_layers
+    for i in d.target_layer_ids:
+        if not 0 <= i < T:
+            raise ValueError(f"drafter target_layer_ids contains {i}, outside the target's layers [0, {T}) "
+                             f"(target num_hidden_layers = {T})")
+    if list(d.target_layer_ids) != sorted(set(d.target_layer_ids)):
+        # model.Transformer concatenates the taps in layer order; DFlash concatenates in list order
+        raise ValueError(f"drafter target_layer_ids {d.target_layer_ids} must be strictly increasing")
+    if d.num_target_layers != T:
+        raise ValueError(f"drafter num_target_layers = {d.num_target_layers} but target num_hidden_layers = {T}")
+    if d.hidden_size != t.hidden_size:
+        raise ValueError(f"drafter hidden_size = {d.hidden_size} but target hidden_size = {t.hidden_size}")
+    # The fc input width is then len(target_layer_ids) x target hidden_size by construction; a checkpoint whose
+    # fc.weight disagrees is rejected by load_drafter's shape check, which names that product.
+    if d.vocab_size is not None and d.vocab_size != t.vocab_size:
+        raise ValueError(f"drafter vocab_size = {d.vocab_size} but target vocab_size = {t.vocab_size}")
+    if not 0 <= d.mask_token_id < t.vocab_size:
+        raise ValueError(f"drafter mask_token_id = {d.mask_token_id} is outside the target vocab_size = {t.vocab_size}")
+
+
+def check_tp_divisibility(a: DraftArgs, ws: int) -> None:
+    """Fail before allocating anything if the world size cannot split the drafter evenly: whole q heads and
+    whole kv heads per rank (a kv head is never replicated), whole intermediate rows and fc input columns."""
+    checks = [("num_attention_heads", a.num_attention_heads), ("num_key_value_heads", a.num_key_value_heads),
+              ("intermediate_size", a.intermediate_size),
+              ("fc input width len(target_layer_ids) x hidden_size", a.fc_in)]
+    for name, value in checks:
+        if value % ws:
+            raise ValueError(f"tensor parallel size {ws} does not divide drafter {name}={value}")
+
 
 _ALIASES = (("model.", ""), ("midlayer.", "layers.0."), ("encoder.fc.", "fc."))   # optional prefix, vLLM renames
 
@@ -481,7 +523,7 @@ def _param_name(name: str) -> str:
 def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None, dtype=None) -> DFlashDrafter:
     """Read config.json, check it against the target and the TP size (before loading anything), build the
     drafter on `device` in `dtype` and load every tensor exactly once, checked against its full shape; each
-    rank reads only its slice (safetensors get_slice, like model.load_checkpoint)."""
+    rank reads only its slice (safetensors get_slice, like checkpoint.load_checkpoint)."""
     from safetensors import safe_open
     args = DraftArgs.from_config(path)
     if target_args is not None:
@@ -495,7 +537,7 @@ def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
     finally:
         torch.set_default_dtype(old)
     params, loaded = dict(drafter.named_parameters()), set()
-    for fname, names in sorted(M._shard_files(path).items()):
+    for fname, names in sorted(C.shard_files(path).items()):
         with safe_open(os.path.join(path, fname), framework="pt", device="cpu") as f:
             for name in names if names is not None else list(f.keys()):
                 key = _param_name(name)
@@ -514,7 +556,7 @@ def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
 
 def _load_slice(sl, p: nn.Parameter, key: str, name: str, fname: str, args: DraftArgs) -> None:
     """Check one checkpoint tensor's dtype and full (unsharded) shape, then copy this rank's slice into p."""
-    dtype = M._DTYPES.get(sl.get_dtype())
+    dtype = C.DTYPES.get(sl.get_dtype())
     if dtype is None or not dtype.is_floating_point:
         raise CheckpointError(f"tensor {name} in {fname} has dtype {dtype or sl.get_dtype()}, expected a float")
     shape, sd = tuple(sl.get_shape()), getattr(p, "shard_dim", None)
@@ -525,7 +567,7 @@ def _load_slice(sl, p: nn.Parameter, key: str, name: str, fname: str, args: Draf
         why = (f" ({len(args.target_layer_ids)} target_layer_ids x hidden_size {args.hidden_size} "
                f"input columns)") if key == "fc.weight" else ""
         raise CheckpointError(f"tensor {name} in {fname} has shape {list(shape)}, expected {full}{why}")
-    p.copy_(M._rank_slice(sl, shape, sd, M.world_size, M.rank))
+    p.copy_(C.rank_slice(sl, shape, sd, M.world_size, M.rank))
 
 
 def write_drafter(path: str, drafter_or_state, config: dict, n_shards: int = 1) -> None:
@@ -534,7 +576,7 @@ def write_drafter(path: str, drafter_or_state, config: dict, n_shards: int = 1) 
     state = drafter_or_state.state_dict() if isinstance(drafter_or_state, nn.Module) else drafter_or_state
     state = {k: v.detach().contiguous() for k, v in state.items()}
     if n_shards > 1:
-        M.save_checkpoint(state, config, path, n_shards=n_shards, vision=False, prefix="")
+        C.save_checkpoint(state, config, path, n_shards=n_shards, vision=False, prefix="")
         return
     os.makedirs(path, exist_ok=True)
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

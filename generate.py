@@ -3,12 +3,14 @@ or DDTree speculative decoding.
 
     python generate.py                                    # bundled tiny model + drafter, a code prompt, CPU ok
     python generate.py --prompt "def fib(n):" --budget 16 --show-tree
-    torchrun --nproc-per-node 8 generate.py --ckpt <Kimi-K2.6 dir> --draft <DFlash dir> --prompt "Hi"
+    torchrun --nproc-per-node 8 generate.py --ckpt <Kimi-K2.6 dir> --draft <DFlash dir> --prompt "Hi" --cuda-graph
 
 Invariant: greedy DDTree output == greedy autoregressive output, token for token (tests/test_generate.py);
 at temperature T every committed token is a sample of the target's own distribution.
 
-The decode loop reads as numbered steps: 1 draft, 2 build tree, 3 verify, 4 accept, 5 commit, 6 stream.
+The step is written once, Step.spec: 1 draft, 2 build tree, 3 verify, 4 accept, 5 commit (Step.ar: one token),
+on fixed-shape buffers with no host sync inside. generate_batch's loop calls it (eager), torch.compile of it
+(--compile) or its CUDA graph (--cuda-graph); generate() is generate_batch for one prompt.
 """
 from __future__ import annotations
 
@@ -17,11 +19,13 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
+import checkpoint as C
 import kernels
 import model as M
 import tree as T
@@ -32,9 +36,8 @@ BUNDLED_TARGET = os.path.join(HERE, "checkpoints", "tiny-k2")
 BUNDLED_DRAFT = os.path.join(HERE, "checkpoints", "tiny-k2-dflash")
 MAX_BUDGET = 1024      # verify width B+1; above 63 the attention takes the reference path (see model.MLA)
 # torch.compile of the step rounds every intermediate to the model dtype where eager does: without it inductor keeps
-# fused intermediates in fp32, a different bf16 target from the eager one the drafter was distilled against (H200,
-# bundled pair, code prompts, budget 8: graph+compile accepted 3.31 tokens a step, 4.65 with it, graph 4.67). fp32
-# is unaffected.
+# fused intermediates in fp32, a slightly different bf16 target from the eager one the drafter was distilled
+# against, and the compiled step accepts fewer draft tokens. fp32 is unaffected.
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 DEFAULT_PROMPT = "def parse_args(argv=None):\n    \"\"\"Parse command line arguments.\"\"\"\n    parser = "
@@ -71,18 +74,14 @@ class Stats:
         return sum(self.accept_lens) / len(self.accept_lens) if self.accept_lens else 0.0
 
     def histogram(self) -> dict[int, int]:
-        h: dict[int, int] = {}
-        for a in self.accept_lens:
-            h[a] = h.get(a, 0) + 1
-        return dict(sorted(h.items()))
+        return dict(sorted(Counter(self.accept_lens).items()))
 
 
 class _Clock:
-    """Stage timer; synchronizes CUDA so each stage's time is its own (eager mode is the teaching reference)."""
+    """Wall-clock laps; on CUDA a lap synchronizes first, so each stage's time is its own."""
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.t = time.perf_counter()
+    def __init__(self, device: torch.device, stats: Stats):
+        self.cuda, self.stats, self.t = device.type == "cuda", stats, time.perf_counter()
 
     def lap(self) -> float:
         if self.cuda:
@@ -90,6 +89,10 @@ class _Clock:
         now = time.perf_counter()
         dt, self.t = now - self.t, now
         return dt
+
+    def stage(self, name: str) -> None:
+        """The step's hook in eager mode: the time since the last lap was stage `name`'s."""
+        self.stats.stage_s[name] += self.lap()
 
 
 def check_prompt(prompt_ids: list[int], vocab: int, max_seq_len: int, what: str = "") -> None:
@@ -102,212 +105,115 @@ def check_prompt(prompt_ids: list[int], vocab: int, max_seq_len: int, what: str 
         raise ValueError(f"{what}prompt of {len(prompt_ids)} tokens does not fit the cache (--max-seq-len {max_seq_len})")
 
 
-@torch.no_grad()
-def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, drafter=None, budget: int = 8,
-             chain: bool = False, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             stop_ids=(), seed: int = 0, max_seq_len: int | None = None, on_tokens=None,
-             show_tree=None, stats: Stats | None = None, mode: str = "eager", debug: bool = False) -> list[int]:
-    """Decode up to max_new_tokens after prompt_ids. drafter=None or budget=0: autoregressive.
-    chain=True: the DFlash chain (the drafter's top-1 token at each of its block_size-1 positions).
-    on_tokens(list[int]) is called with each step's committed tokens (streaming). Returns the new tokens.
-    mode: "eager" (the reference loop below), "static" (StaticStep: fixed-shape buffers written in place,
-    no host sync inside a step), "graph" (StaticStep replayed as a CUDA graph), "compile" (torch.compile),
-    "graph+compile" (the compiled step captured as a CUDA graph: fused kernels and no launch overhead).
-    debug: check every layer's output for NaN/inf, and under TP that all ranks committed the same tokens."""
-    if "graph" in mode and not kernels.ENABLED:
-        raise ValueError("--cuda-graph with --no-triton: the reference MoE picks its experts on the host "
-                         "(unique().tolist()), which a CUDA graph cannot capture; drop one of the two flags")
-    stats = stats if stats is not None else Stats()
-    dev = model.embed_tokens.weight.device
-    max_seq_len = max_seq_len or model.max_seq_len or len(prompt_ids) + max_new_tokens + 80
-    check_prompt(prompt_ids, model.args.vocab_size, max_seq_len)
-    if model.kv_cache is None or model.max_seq_len < max_seq_len:
-        model.setup_cache(1, max_seq_len)
-    speculative = drafter is not None and (budget > 0 or chain)
-    taps = tuple(drafter.target_layer_ids) if speculative else ()
-    if speculative:
-        _ensure_draft_cache(drafter, 1, max_seq_len)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    stop = set(int(s) for s in stop_ids)
-    pick = lambda logits: V.sample(logits, temperature, top_k, top_p, gen)
-    out: list[int] = []
-
-    def emit(tokens: list[int]) -> bool:
-        """Append committed tokens; True when generation must stop (stop token or length limit)."""
-        n0 = len(out)
-        for t in tokens:
-            out.append(t)
-            if t in stop:
-                stats.stopped = "stop token"
-                break
-            if len(out) >= max_new_tokens:
-                stats.stopped = "max_new_tokens"
-                break
-        if on_tokens:
-            on_tokens(out[n0:])
-        return bool(stats.stopped)
-
-    # 0. prefill: the prompt's KV and (for the drafter) its tapped hidden states; the first token
-    clock = _Clock(dev)
-    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=dev)                       # [1, P]
-    res = model(prompt, start_pos=0, hidden_layers=taps, last_only=True, debug=debug)
-    logits, ctx_feats = res if taps else (res, None)
-    bonus = pick(logits[:, -1])                                                             # [1]
-    start, ctx_len = len(prompt_ids), 0      # start: tokens whose KV is cached; bonus sits at `start`
-    stats.prefill_s = clock.lap()
-    t_decode = clock.t
-    done = emit([int(bonus)])
-    n_nodes = budget + 1 if not chain else (drafter.block_size if speculative else 1)
-    if mode != "eager":
-        runner = StaticStep.get(model, drafter if speculative else None, budget, chain, temperature, top_k, top_p,
-                                graph="graph" in mode, compile="compile" in mode)
-        if speculative:
-            drafter.append_context(ctx_feats, 0)   # the prompt's features; steps then add only new rows
-        runner.load(bonus, start, ctx_len=len(prompt_ids))
-        torch.manual_seed(seed)                    # static steps sample with the default generator
-
-    while not done and mode != "eager":
-        if start + runner.N > max_seq_len:         # the next step would write past the cache
-            stats.stopped = f"cache full (--max-seq-len {max_seq_len})"
-            break
-        new = runner()[0]                          # one host read per step: the committed tokens
-        start += len(new)
-        stats.accept_lens.append(len(new))
-        stats.stage_s["verify"] += clock.lap()
-        done = emit(new)
-
-    while not done:
-        if speculative and start + n_nodes <= max_seq_len:
-            # 1. draft: one drafter forward proposes block_size-1 per-position distributions
-            draft_logits = drafter.draft_logits(model, bonus, ctx_feats, ctx_len)           # [1, L, V]
-            ctx_len += ctx_feats.shape[1]
-            stats.stage_s["draft"] += clock.lap()
-            # 2. build tree: the `budget` most probable prefixes (or the top-1 chain)
-            tr = (T.chain_tree_batched(draft_logits, bonus, drafter.block_size - 1) if chain
-                  else T.build_tree_batched(draft_logits, bonus, budget))
-            stats.stage_s["tree"] += clock.lap()
-            # 3. verify: one target forward over the whole tree (positions start + depth, ancestor mask)
-            ids, positions, mask = V.verify_inputs(tr, start)
-            logits, hidden = model(ids, start_pos=start, positions=positions, tree_mask=mask, hidden_layers=taps,
-                                   debug=debug)
-            stats.stage_s["verify"] += clock.lap()
-            # 4. accept: the target's token at every node, then the longest matching path
-            accepted, accept_len, bonus = V.accept(tr, pick(logits))
-            n = int(accept_len)        # eager reads the path on the host; StaticStep makes one copy per step
-            path = accepted[0, :n]
-            # 5. commit: the path's KV to contiguous slots; its hidden states become drafter context
-            if not V.path_is_contiguous(path.tolist(), n):
-                V.commit_kv(model.kv_cache, start, accepted, accept_len)
-            ctx_feats = hidden[:, path]                                                      # [1, n, taps*D]
-            new = tr.tokens[0, path[1:]].tolist() + [int(bonus)]
-            start += n
-            stats.stage_s["commit"] += clock.lap()
-            stats.accept_lens.append(n)
-            if show_tree:
-                show_tree(tr[0], path.tolist())
-        elif start + 1 <= max_seq_len:
-            # autoregressive step (also the fallback when a tree no longer fits in the cache)
-            logits = model(bonus.view(1, 1), start_pos=start, debug=debug)
-            bonus = pick(logits[:, -1])
-            new = [int(bonus)]
-            start += 1
-            stats.stage_s["verify"] += clock.lap()
-            stats.accept_lens.append(1)
-        else:
-            stats.stopped = f"cache full (--max-seq-len {max_seq_len})"
-            break
-        # 6. stream the committed tokens; stop on a stop token or the length limit
-        if debug:
-            check_ranks_agree(new)
-        done = emit(new)
-    stats.new_tokens = len(out)
-    clock.lap()
-    stats.decode_s = clock.t - t_decode
-    return out
+class View(NamedTuple):
+    """What a speculative step leaves for a viewer (--show-tree) to read after it."""
+    tree: T.Tree                   # fields [B, N]
+    targets: torch.Tensor          # [B, N] the target's token after each node
+    accepted: torch.Tensor         # [B, N] the accepted path's nodes, root first
+    accept_len: torch.Tensor       # [B] its length
 
 
-def _ensure_draft_cache(drafter, batch: int, max_seq_len: int) -> None:
-    """The drafter cache holds up to max_seq_len context rows (setup_cache adds the block's slots); reallocated
-    only when too small, so captured graphs keep pointing at live buffers."""
-    c = getattr(drafter, "ctx_cache", None)
-    if c is None or c.shape[2] < batch or drafter.max_ctx_len < max_seq_len:
-        drafter.setup_cache(batch, max_seq_len)
-
-
-def check_ranks_agree(tokens: list[int]) -> None:
-    """--debug under TP: every rank must have committed the same tokens this step."""
-    if M.world_size == 1:
-        return
-    import torch.distributed as dist
-    seen = [None] * M.world_size
-    dist.all_gather_object(seen, tokens)
-    if any(s != seen[0] for s in seen):
-        raise RuntimeError(f"ranks disagree on the committed tokens: {seen}")
-
-
-class StaticStep:
-    """One decoding step for a batch of sequences (draft, build tree, verify, accept, commit; or one
-    autoregressive token) on static buffers updated in place: fixed shapes, no host synchronisation inside,
-    so the same step can be replayed as a CUDA graph. Every input of the step (bonus tokens, cache lengths,
-    drafter context rows, which rows are still active) lives in a buffer the step itself rewrites; nothing
-    is passed in as a fresh tensor (the classic graph bug: a captured graph keeps reading the tensor it was
-    captured with). Row b uses cache row b. A finished row is masked, not removed (fixed shapes): its
-    lengths stop advancing, so its committed slots [0, start) are never read or written again; its step
-    writes land past them and are discarded."""
-
-    _cache: dict = {}
+class Step:
+    """One decoding step for a batch of rows, written once: spec (1 draft, 2 build tree, 3 verify, 4 accept,
+    5 commit) and its autoregressive twin ar, on fixed-shape buffers updated in place, with no host sync inside.
+    Every input a step reads lives in a buffer the step itself rewrites, never a fresh tensor (a captured graph
+    keeps reading the tensors it was captured with). Row b uses cache row b. A finished row is masked, not
+    removed: it commits nothing, and its step writes land past its last token, where nothing reads them."""
+    cache: dict = {}       # one Step (and its graphs) per shape and setting, reused across calls: see get
 
     @classmethod
-    def get(cls, model, drafter, budget, chain, temperature, top_k, top_p, graph=False, compile=False, batch=1):
-        """One runner (and one captured graph) per shape and sampling setting, reused across calls."""
-        caches = (model.kv_cache.data_ptr(), drafter.ctx_cache.data_ptr() if drafter else 0)   # captured buffers
-        key = (id(model), id(drafter), caches, budget, chain, temperature, top_k, top_p, graph, compile, batch)
-        if key not in cls._cache:
-            cls._cache[key] = cls(model, drafter, budget, chain, temperature, top_k, top_p, graph, compile, batch)
-        return cls._cache[key]
+    def get(cls, model, drafter, batch, max_seq_len, budget, chain, sampling, mode="eager", debug=False) -> Step:
+        """The step for this shape and setting, made once, after the caches (grown only when too small: a captured
+        graph holds their addresses; in a batch a finished row still writes one step's width past its end)."""
+        room = max_seq_len + (Step.width(drafter, budget, chain) if batch > 1 else 0)
+        if model.kv_cache is None or model.kv_cache.shape[1] < batch or model.max_seq_len < room:
+            model.setup_cache(batch, room)
+        c = getattr(drafter, "ctx_cache", None)
+        if drafter is not None and (c is None or c.shape[2] < batch or drafter.max_ctx_len < max_seq_len):
+            drafter.setup_cache(batch, max_seq_len)
+        key = (id(model), model.kv_cache.data_ptr(), id(drafter), drafter and drafter.ctx_cache.data_ptr(), batch,
+               budget, chain, sampling, mode, debug)
+        if key not in cls.cache:
+            cls.cache[key] = cls(model, drafter, batch, budget, chain, sampling, "compile" in mode, "graph" in mode,
+                                 debug and mode in ("eager", "static"))
+        return cls.cache[key]
 
-    @classmethod
-    def clear(cls) -> None:
-        """Drop every runner and its CUDA graph (their memory goes back to the allocator); the next step captures
-        afresh. For a process that moves on to another model, or a bench that wants one runner per mode."""
-        cls._cache.clear()
-
-    @classmethod
-    def runners(cls) -> list:
-        """The live runners, oldest first."""
-        return list(cls._cache.values())
-
-    def __init__(self, model, drafter, budget, chain, temperature, top_k, top_p, graph, compile, batch=1):
+    def __init__(self, model, drafter, batch, budget, chain, sampling, compile=False, graph=False, debug=False):
+        if graph and not kernels.ENABLED:
+            raise ValueError("--cuda-graph with --no-triton: the reference MoE picks its experts on the host "
+                             "(unique().tolist()), which a CUDA graph cannot capture; drop one of the two flags")
         self.model, self.drafter, self.budget, self.chain = model, drafter, budget, chain
-        self.sampling = (temperature, top_k, top_p)
-        dev = model.embed_tokens.weight.device
-        bs = drafter.block_size if drafter else 1
-        self.N = (bs if chain else budget + 1) if drafter else 1     # verify width: tokens per target forward
+        self.sampling = sampling                   # (temperature, top_k, top_p)
+        self.debug = debug                         # NaN/inf checks per layer (they read the host: eager only)
+        dev, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+        self.N = Step.width(drafter, budget, chain)
         self.taps = tuple(drafter.target_layer_ids) if drafter else ()
-        z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
-        B = batch
-        self.bonus, self.start, self.ctx_len, self.n_ctx = z(B), z(B), z(B), z(B)
-        self.active = torch.ones(B, dtype=torch.bool, device=dev)                     # True: still decoding
-        width = len(self.taps) * model.args.hidden_size
-        self.ctx_feats = torch.zeros(B, bs, width, dtype=model.embed_tokens.weight.dtype, device=dev)
-        self.out = z(B, self.N + 1)                # per row [accept_len, committed tokens...]: one host copy
-        fn = self._spec_step if drafter else self._ar_step
+        bs, z = drafter.block_size if drafter else 1, lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
+        self.bonus = z(batch)                      # [B] last committed token: the next tree's root
+        self.start = z(batch)                      # [B] committed cache length: the bonus goes to slot start
+        self.ctx_len = z(batch)                    # [B] context rows in the drafter's cache
+        self.n_ctx = z(batch)                      # [B] rows of ctx_feats it adds next: the last committed path
+        self.ctx_feats = torch.zeros(batch, bs, len(self.taps) * model.args.hidden_size, dtype=dtype,
+                                     device=dev)   # [B, bs, taps*D] the target's hidden states on that path
+        self.active = torch.ones(batch, dtype=torch.bool, device=dev)   # [B] False: finished, commits nothing
+        self.out = z(batch, self.N + 1)            # [B, N+1] accept_len, then the committed tokens: one host copy
+        self.fns = {True: self.spec, False: self.ar}
         if compile:
-            # One specialization per shape (budget, batch, sampling), never a dynamic-shape graph: the step's shapes
-            # are fixed by design, and a symbolic recompile for a second budget crashed in torch 2.11 / 2.13
-            # (gather(out=) into a slice of ctx_feats fails its overlap check on symbolic sizes). Every budget,
-            # temperature and the chain are separate entries of the same code objects, hence the larger limit.
+            # One specialization per shape (budget, batch, sampling), never a dynamic-shape graph: the shapes are
+            # fixed by design, and a symbolic recompile for a second budget fails gather(out=)'s overlap check.
+            # Every budget, temperature and the chain is its own entry, hence the larger limit.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            fn = torch.compile(fn, dynamic=False, options=compile_options())
-        self.fn = fn
-        self.use_graph, self.graph = graph, None
+            self.fns = {k: torch.compile(f, dynamic=False, options=compile_options()) for k, f in self.fns.items()}
+        self.graphs = {} if graph else None        # spec or ar -> (CUDA graph, the View its replays rewrite)
+        self.view: View | None = None
 
-    def load(self, bonus: torch.Tensor, start, ctx_len) -> None:
-        self.bonus.copy_(bonus.view(-1))
-        self.start.copy_(torch.as_tensor(start).view(-1))
-        self.ctx_len.copy_(torch.as_tensor(ctx_len).view(-1))
-        self.n_ctx.zero_()
-        self.active.fill_(True)
+    @staticmethod
+    def width(drafter, budget: int, chain: bool) -> int:
+        """Tokens per target forward: the tree's budget + 1 nodes, the chain's block, or one token."""
+        return (drafter.block_size if chain else budget + 1) if drafter is not None else 1
+
+    def spec(self, hook=None) -> View:
+        """One DDTree (or chain) step for every row. hook(stage) runs after each stage: eager mode's clock; None
+        when compiled or captured (then nothing inside the step waits for the device)."""
+        m, d, lap = self.model, self.drafter, hook or (lambda stage: None)
+        # 1. draft: one drafter forward, after it caches the context rows of the path committed last step
+        #    (ctx_feats[:, :n_ctx]; the padding rows past n_ctx stay invisible)
+        draft_logits = d.draft_logits(m, self.bonus, self.ctx_feats, self.ctx_len, n_valid=self.n_ctx)  # [B, L, V]
+        self.ctx_len += self.n_ctx
+        lap("draft")
+        # 2. build tree: the `budget` most probable prefixes under the drafter's marginals (or its top-1 chain)
+        tree = (T.chain_tree_batched(draft_logits, self.bonus, d.block_size - 1) if self.chain
+                else T.build_tree_batched(draft_logits, self.bonus, self.budget))                 # fields [B, N]
+        lap("tree")
+        # 3. verify: one target forward over every node (position start + depth, attending to its ancestors)
+        ids, positions, mask = V.verify_inputs(tree, self.start)
+        logits, hidden = m(ids, start_pos=self.start, positions=positions, tree_mask=mask, hidden_layers=self.taps,
+                           debug=self.debug)                                        # [B, N, V], [B, N, taps*D]
+        lap("verify")
+        # 4. accept: the target's token after every node, then the longest path the target agrees with
+        targets = V.sample(logits, *self.sampling)                                                 # [B, N]
+        accepted, accept_len, bonus = V.accept(tree, targets)                                      # [B, N], [B], [B]
+        n = accept_len * self.active                                      # [B] tokens committed (finished rows: 0)
+        # 5. commit: the path's KV to slots start.. (finished rows move nothing); its hidden states become the
+        #    next context rows; its tokens, then the bonus, go to `out` for the host
+        V.commit_kv(m.kv_cache, self.start, accepted, n)
+        k = min(self.N, d.block_size)
+        torch.gather(hidden, 1, accepted[:, :k, None].expand(-1, -1, hidden.shape[-1]), out=self.ctx_feats[:, :k])
+        self.n_ctx.copy_(n)
+        self.out[:, 1:self.N] = tree.tokens.gather(1, accepted[:, 1:])
+        self.out.scatter_(1, accept_len[:, None], bonus[:, None])
+        self._advance(n, bonus)
+        lap("commit")
+        return View(tree, targets, accepted, accept_len)
+
+    def ar(self, hook=None) -> None:
+        """One autoregressive token per row: no drafter, budget 0, or a tree that no longer fits in the cache."""
+        logits = self.model(self.bonus.view(-1, 1), start_pos=self.start, debug=self.debug)       # [B, 1, V]
+        tok = V.sample(logits[:, -1], *self.sampling)                                              # [B]
+        self.out[:, 1] = tok
+        self._advance(self.active, tok)            # one token per row still decoding
+        if hook:
+            hook("verify")
 
     def _advance(self, n, bonus) -> None:
         """Committed this step: n tokens per row (0 for finished rows, which keep their bonus too)."""
@@ -315,124 +221,153 @@ class StaticStep:
         self.start += n
         torch.where(self.active, bonus, self.bonus, out=self.bonus)       # in place: one kernel, no copy
 
-    def _spec_step(self) -> None:
-        m, d, temperature, top_k, top_p = self.model, self.drafter, *self.sampling
-        # 1. draft (the new context rows are ctx_feats[:, :n_ctx]; the padding rows stay invisible)
-        draft_logits = d.draft_logits(m, self.bonus, self.ctx_feats, self.ctx_len, n_valid=self.n_ctx)
-        self.ctx_len += self.n_ctx
-        # 2. build tree
-        tr = (T.chain_tree_batched(draft_logits, self.bonus, d.block_size - 1) if self.chain
-              else T.build_tree_batched(draft_logits, self.bonus, self.budget))
-        # 3. verify
-        ids, positions, mask = V.verify_inputs(tr, self.start)
-        logits, hidden = m(ids, start_pos=self.start, positions=positions, tree_mask=mask, hidden_layers=self.taps)
-        # 4. accept
-        accepted, accept_len, bonus = V.accept(tr, V.sample(logits, temperature, top_k, top_p))
-        n = accept_len * self.active                  # [B] tokens committed (finished rows: 0)
-        # 5. commit: KV always copied (fixed shapes; finished rows move nothing); the path's hidden states
-        #    become the next context rows
-        V.commit_kv(m.kv_cache, self.start, accepted, n)
-        k = min(self.N, d.block_size)
-        torch.gather(hidden, 1, accepted[:, :k, None].expand(-1, -1, hidden.shape[-1]), out=self.ctx_feats[:, :k])
-        self.n_ctx.copy_(n)
-        # committed tokens: the path's drafted tokens (nodes 1..len-1) at out[:, 1:len], then the bonus
-        self.out[:, 1:self.N] = tr.tokens.gather(1, accepted[:, 1:])
-        self.out.scatter_(1, accept_len[:, None], bonus[:, None])
-        self._advance(n, bonus)
+    def prefill(self, prompts: list[list[int]], debug: bool = False) -> None:
+        """Each prompt's KV into its own cache row (no padding), its tapped hidden states into the drafter's context,
+        its first token into bonus."""
+        for b, p in enumerate(prompts):
+            res = self.model(torch.tensor([p], device=self.bonus.device), start_pos=0, hidden_layers=self.taps,
+                             last_only=True, cache_row=b, debug=debug)
+            if self.drafter is not None:
+                self.drafter.append_context(res[1], 0, row=b)
+            self.bonus[b:b + 1] = V.sample((res[0] if self.taps else res)[:, -1], *self.sampling)
+            self.start[b] = len(p)
+        self.ctx_len.copy_(self.start)
+        self.n_ctx.zero_()
+        self.active.fill_(True)
 
-    def _ar_step(self) -> None:
-        logits = self.model(self.bonus.view(-1, 1), start_pos=self.start)
-        tok = V.sample(logits[:, -1], *self.sampling)
-        self.out[:, 1] = tok
-        self._advance(self.active, tok)               # one token per row still decoding
+    def run(self, spec: bool, hook=None) -> None:
+        """One step, no host read: the function itself, or the replay of its graph (captured on first use)."""
+        if self.graphs is None:
+            self.view = self.fns[spec](hook)
+        else:
+            if spec not in self.graphs:
+                fn, views = self.fns[spec], []
+                graph = capture_graph(lambda: views.append(fn()), warmup=2, reset=self.snapshot())
+                self.graphs[spec] = (graph, views[-1])     # the capture's outputs: each replay rewrites them
+            graph, self.view = self.graphs[spec]
+            graph.replay()
 
-    def snapshot(self) -> Callable[[], None]:
-        """A function that puts the buffers a step reads and advances back as they are now: the capture undoes its
-        warm-up steps with it, and bench.py replays one step many times from it."""
+    def __call__(self, spec: bool, hook=None) -> list[list[int]]:
+        """Run one step; returns each row's committed tokens (empty for finished rows)."""
+        self.run(spec, hook)
+        return [r[1:1 + r[0]] for r in self.out.tolist()]     # the step's one device-to-host copy
+
+    def snapshot(self):
+        """A function that puts the step's inputs back as they are now (the capture undoes its warm-up with it)."""
         state = (self.bonus, self.start, self.ctx_len, self.n_ctx, self.ctx_feats, self.active)
         saved = [t.clone() for t in state]
+        return lambda: [t.copy_(v) for t, v in zip(state, saved)]
 
-        def restore() -> None:
-            for t, v in zip(state, saved):
-                t.copy_(v)
-        return restore
 
-    def _capture(self) -> None:
-        """Warm up on a side stream (kernels compiled, allocator settled), restore the step's inputs, capture.
-        The warm-up steps also wrote cache slots, only past the committed prefix: harmless."""
-        self.graph = kernels.capture_graph(self.fn, warmup=2, reset=self.snapshot())
+def capture_graph(fn, warmup: int = 1, reset=None) -> "torch.cuda.CUDAGraph":
+    """fn captured in a CUDA graph, after `warmup` calls on a side stream (as torch's CUDA-graph notes ask), each
+    followed by reset(): a decode step's warm-up calls all start where the captured one does, so near the cache end
+    they write no further than it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+            if reset is not None:
+                reset()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
 
-    def __call__(self) -> list[list[int]]:
-        """Run one step; returns each row's committed tokens (empty for finished rows)."""
-        if self.use_graph:
-            if self.graph is None:
-                self._capture()
-            self.graph.replay()
-        else:
-            self.fn()
-        rows = self.out.tolist()                   # the step's one device-to-host copy
-        return [r[1:1 + r[0]] for r in rows]
+
+@torch.no_grad()
+def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, drafter=None, budget: int = 8,
+             chain: bool = False, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             stop_ids=(), seed: int = 0, max_seq_len: int | None = None, on_tokens=None,
+             show_tree=None, stats: Stats | None = None, mode: str = "eager", debug: bool = False) -> list[int]:
+    """Decode up to max_new_tokens after prompt_ids: generate_batch for one prompt. Returns the new tokens.
+    on_tokens(list[int]) gets each step's committed tokens (streaming)."""
+    stream = (lambda b, tokens: on_tokens(tokens)) if on_tokens else None
+    return generate_batch(model, [prompt_ids], max_new_tokens, drafter, budget, chain, temperature, top_k, top_p,
+                          stop_ids, seed, max_seq_len, mode, stats, stream, show_tree, debug)[0]
 
 
 @torch.no_grad()
 def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_tokens: int, drafter=None,
                    budget: int = 8, chain: bool = False, temperature: float = 0.0, top_k: int = 0,
                    top_p: float = 1.0, stop_ids=(), seed: int = 0, max_seq_len: int | None = None,
-                   mode: str = "static", stats: Stats | None = None) -> list[list[int]]:
-    """Decode several prompts at once: per-sequence cache lengths, trees (same budget: the verify input is
-    [batch, B+1]), acceptance and commit; sequences finish independently (stop token, length, cache end)."""
+                   mode: str = "eager", stats: Stats | None = None, on_tokens=None, show_tree=None,
+                   debug: bool = False) -> list[list[int]]:
+    """Decode several prompts at once, each in its own cache row, until each stops (stop token, length, cache end).
+    drafter=None or budget=0: autoregressive; chain=True: the DFlash chain (the drafter's top-1 at each position).
+    on_tokens(b, tokens) / show_tree(tree, path): each step's committed tokens / tree and accepted nodes of row b.
+    mode: "eager" (the step as it is, timed stage by stage), "static" (the same, timed as a whole), "compile",
+    "graph" (a CUDA graph of it), "graph+compile". debug: NaN/inf checks per layer, TP ranks agree."""
     stats = stats if stats is not None else Stats()
     B, dev = len(prompts), model.embed_tokens.weight.device
-    max_seq_len = max_seq_len or max(map(len, prompts)) + max_new_tokens + 80
+    max_seq_len = max_seq_len or model.max_seq_len or max(map(len, prompts)) + max_new_tokens + 80
     for i, p in enumerate(prompts):
-        check_prompt(p, model.args.vocab_size, max_seq_len, f"prompt {i}: ")
-    if model.kv_cache is None or model.kv_cache.shape[1] < B or model.max_seq_len < max_seq_len:
-        model.setup_cache(B, max_seq_len)
-    speculative = drafter is not None and (budget > 0 or chain)
-    taps = tuple(drafter.target_layer_ids) if speculative else ()
-    if speculative:
-        _ensure_draft_cache(drafter, B, max_seq_len)
-    torch.manual_seed(seed)
-    clock = _Clock(dev)
-    # 0. prefill each prompt into its own cache row (prompts differ in length: no padding needed)
-    bonus = torch.zeros(B, dtype=torch.long, device=dev)
-    for b, p in enumerate(prompts):
-        res = model(torch.tensor([p], device=dev), start_pos=0, hidden_layers=taps, last_only=True, cache_row=b)
-        logits = res[0] if taps else res
-        bonus[b] = V.sample(logits[:, -1], temperature, top_k, top_p)[0]
-        if speculative:
-            drafter.append_context(res[1], 0, row=b)
+        check_prompt(p, model.args.vocab_size, max_seq_len, f"prompt {i}: " if B > 1 else "")
+    drafter = drafter if budget > 0 or chain else None
+    step = Step.get(model, drafter, B, max_seq_len, budget, chain, (temperature, top_k, top_p), mode, debug)
+    stop, clock = set(int(s) for s in stop_ids), _Clock(dev, stats)
+    torch.manual_seed(seed)              # every sample draws from the default generator (a CUDA graph replays it)
+    # 0. prefill: each prompt's KV, its first token, its context rows for the drafter
+    step.prefill(prompts, debug)
     stats.prefill_s = clock.lap()
-    t_decode = clock.t
-    runner = StaticStep.get(model, drafter if speculative else None, budget, chain, temperature, top_k, top_p,
-                            graph="graph" in mode, compile="compile" in mode, batch=B)
-    lens = [len(p) for p in prompts]
-    runner.load(bonus, lens, lens)
-    outs = [[t] for t in bonus.tolist()]
-    stop = set(int(s) for s in stop_ids)
-    done = [t[0] in stop or max_new_tokens <= 1 for t in outs]
-    start = list(lens)
+    t_decode, hook = clock.t, clock.stage if mode == "eager" else None   # per-stage times: syncs between stages
+    outs, done, start = [[] for _ in prompts], [False] * B, [len(p) for p in prompts]
+
+    def emit(b: int, tokens: list[int]) -> None:
+        """Append row b's committed tokens, up to a stop token or the length limit (then the row finishes)."""
+        n0 = len(outs[b])
+        for t in tokens:
+            outs[b].append(t)
+            if t in stop or len(outs[b]) >= max_new_tokens:
+                finish(b, "stop token" if t in stop else "max_new_tokens")
+                break
+        if on_tokens:
+            on_tokens(b, outs[b][n0:])
+
+    def finish(b: int, why: str) -> None:
+        done[b], stats.stopped = True, why
+        step.active[b] = False           # the step masks row b from now on
+
+    for b, t in enumerate(step.bonus.tolist()):
+        emit(b, [t])
+    spec = drafter is not None
     while not all(done):
-        for b in range(B):   # a row whose next step would not fit in the cache stops here
-            if not done[b] and start[b] + runner.N > max_seq_len:
-                done[b] = True
-        runner.active.copy_(torch.tensor([not d for d in done], device=dev))
+        # the next step must fit in the cache: a tree of N nodes, else (from then on) one token, else the row stops
+        spec = spec and all(done[b] or start[b] + step.N <= max_seq_len for b in range(B))
+        for b in range(B):
+            if not done[b] and start[b] + (step.N if spec else 1) > max_seq_len:
+                finish(b, f"cache full (--max-seq-len {max_seq_len})")
         if all(done):
             break
-        for b, new in enumerate(runner()):
-            if done[b]:
-                continue
-            start[b] += len(new)
-            stats.accept_lens.append(len(new))
-            for t in new:
-                outs[b].append(t)
-                if t in stop or len(outs[b]) >= max_new_tokens:
-                    done[b] = True
-                    break
+        # 1-5. one step for every row: draft, build tree, verify, accept, commit (or one autoregressive token)
+        rows = step(spec, hook)
+        if hook is None:
+            clock.stage("verify")        # compiled, captured or static: the whole step's time
+        if debug:
+            check_ranks_agree(rows)
+        # 6. stream each row's committed tokens; a row stops on a stop token or the length limit
+        for b, new in enumerate(rows):
+            if not done[b]:
+                start[b] += len(new)
+                stats.accept_lens.append(len(new))
+                if show_tree and spec:
+                    show_tree(step.view.tree[b], step.view.accepted[b, :len(new)].tolist())
+                emit(b, new)
     stats.new_tokens = sum(map(len, outs))
     clock.lap()
     stats.decode_s = clock.t - t_decode
     return outs
+
+
+def check_ranks_agree(tokens: list) -> None:
+    """--debug under TP: every rank must have committed the same tokens this step."""
+    seen = [tokens] * M.world_size
+    if M.world_size > 1:
+        torch.distributed.all_gather_object(seen, tokens)
+    if any(s != tokens for s in seen):
+        raise RuntimeError(f"ranks disagree on the committed tokens: {seen}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -450,7 +385,7 @@ def load_target(ckpt: str, device: torch.device, dtype: torch.dtype, progress: b
             model = M.Transformer(args)
     finally:
         torch.set_default_dtype(old)
-    M.load_checkpoint(model, ckpt, progress=progress)
+    C.load_checkpoint(model, ckpt, progress=progress)
     return model.eval()
 
 
@@ -459,208 +394,244 @@ def load_draft(path: str, target: M.Transformer, device, dtype):
     return D.load_drafter(path, target_args=target.args, device=device, dtype=dtype).eval()
 
 
-def _memory_report(device: torch.device) -> str:
-    s = f"peak host RSS {M.peak_rss_bytes() / 2**30:.2f} GiB"
+def check_args(a: argparse.Namespace) -> None:
+    """Every flag against its range, the other flags and the file system, before anything loads (ValueError naming
+    the flag). Parses --prompt-ids into a list and reads --prompts into a.prompt_texts."""
+    if a.ckpt == BUNDLED_TARGET and a.draft is None:
+        a.draft = BUNDLED_DRAFT
+    for flag, ok, want, got in [("--budget", 0 <= a.budget <= MAX_BUDGET, f"in [0, {MAX_BUDGET}]", a.budget),
+                                ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1", a.max_new_tokens),
+                                ("--max-seq-len", a.max_seq_len >= 2, ">= 2", a.max_seq_len),
+                                ("--temperature", a.temperature >= 0, ">= 0", a.temperature),
+                                ("--top-k", a.top_k >= 0, ">= 0 (0: off)", a.top_k),
+                                ("--top-p", 0 < a.top_p <= 1, "in (0, 1]", a.top_p)]:
+        if not ok:
+            raise ValueError(f"{flag} must be {want}, got {got}")
+    for flag, path in (("--ckpt", a.ckpt), ("--draft", a.draft), ("--tokenizer", a.tokenizer)):
+        if path is not None and not os.path.isdir(path):
+            raise ValueError(f"{flag} {path}: no such checkpoint directory")
+    if a.device and a.device.startswith("cuda") and (torch.device(a.device).index or 0) >= torch.cuda.device_count():
+        why = "this torch is a CPU-only build" if torch.version.cuda is None else "no such CUDA device is visible"
+        raise ValueError(f"--device {a.device}: {why} (torch {torch.__version__}); use --device cpu")
+    if a.prompt_ids is not None:
+        try:
+            a.prompt_ids = [int(t) for t in a.prompt_ids.split(",")]
+        except ValueError:
+            raise ValueError(f"--prompt-ids {a.prompt_ids!r}: expected comma-separated token ids, e.g. 1,2,3") from None
+    a.prompt_texts = None
+    if a.prompts is not None:
+        if not os.path.isfile(a.prompts):
+            why = "is a directory" if os.path.isdir(a.prompts) else "does not exist"
+            raise ValueError(f"--prompts {a.prompts} {why}: expected a text file with one prompt per line")
+        with open(a.prompts) as f:
+            a.prompt_texts = [line.rstrip("\n") for line in f if line.strip()]
+        if not a.prompt_texts:
+            raise ValueError(f"--prompts {a.prompts}: no prompts (one per line)")
+    for flag, on in (("--chain", a.chain), ("--show-tree", a.show_tree)):
+        if on and not (a.draft and a.budget > 0):     # nothing would be drafted: decoding is autoregressive
+            raise ValueError(f"{flag} needs a drafter (--draft) and --budget >= 1, got "
+                             + ("--budget 0" if a.draft else "no --draft"))
+    if a.cuda_graph and (a.device == "cpu" or not torch.cuda.is_available()):
+        raise ValueError("--cuda-graph needs a CUDA device")
+    if a.show_tree and a.prompts:
+        raise ValueError("--show-tree prints one sequence's trees: not with --prompts")
+    if (a.raw or a.prompt_ids is not None) and (a.system is not None or a.thinking is not None):
+        raise ValueError("--system and --thinking/--no-thinking shape the chat template: not with --raw, --prompt-ids")
+
+
+def check_cache_memory(a, margs: M.ModelArgs, dargs, device: torch.device, dtype: torch.dtype, batch: int) -> None:
+    """--max-seq-len sizes the KV caches up front: refuse one that cannot fit, before the weights load. The target
+    caches one compressed latent + rope key per layer and slot (MLA), the drafter K and V of this rank's kv heads."""
+    need = margs.num_hidden_layers * (margs.kv_lora_rank + margs.qk_rope_head_dim) * batch * a.max_seq_len
+    if dargs is not None:      # setup_cache adds two blocks of slots past the context
+        need += (dargs.num_hidden_layers * 2 * dargs.num_key_value_heads // M.world_size * dargs.head_dim * batch
+                 * (a.max_seq_len + 2 * dargs.block_size))
+    need *= dtype.itemsize
     if device.type == "cuda":
-        s += f", device memory {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB"
-    return s
-
-
-def _print_stats(stats: Stats, speculative: bool) -> None:
-    M.print0(f"\n[{stats.new_tokens} tokens in {stats.decode_s:.2f} s: {stats.tokens_per_s:.1f} tok/s, "
-             f"prefill {stats.prefill_s * 1000:.0f} ms" + (f", stopped: {stats.stopped}" if stats.stopped else "") + "]")
-    if speculative:
-        st = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in stats.stage_s.items())
-        M.print0(f"[mean accept length {stats.mean_accept:.2f} over {len(stats.accept_lens)} steps; "
-                 f"histogram {stats.histogram()}; {st}]")
+        free = torch.cuda.mem_get_info(device)[0]
+    else:      # Linux's MemAvailable (it counts the page cache the kernel would give back); elsewhere unknown
+        meminfo = open("/proc/meminfo").read().splitlines() if os.path.exists("/proc/meminfo") else []
+        free = next((int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")), float("inf"))
+    if need > free:
+        raise ValueError(f"--max-seq-len {a.max_seq_len}: the KV caches need {need / 2**30:.1f} GiB, but {device} "
+                         f"has {free / 2**30:.1f} GiB free; lower --max-seq-len")
 
 
 def main(argv=None) -> int:
-    """CLI entry: a user mistake (bad path, config, flag, prompt) prints one line and exits 2;
-    --debug shows the traceback instead."""
-    args = parse_args(argv)
+    """CLI entry: a user mistake (bad flag, path, config, prompt) prints one line on rank 0 and exits 2; --debug
+    shows the traceback instead. Under torchrun the ranks exit 0 after that line: torchrun answers a worker's
+    non-zero exit with a traceback of its own."""
+    a = None
     try:
-        rc = _main(args)
-    except (FileNotFoundError, ValueError, RuntimeError, KeyError) as e:
-        if args.debug:
+        a = build_parser().parse_args(argv)
+        rc = _main(a)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        if a is not None and a.debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        if os.environ.get("RANK", "0") == "0":      # M.rank is not set yet when the error comes before init
+            print(f"error: {e}", file=sys.stderr)
+        rc = 0 if "TORCHELASTIC_RUN_ID" in os.environ else 2
     M.close_distributed()
     return rc
 
 
-def _main(args: argparse.Namespace) -> int:
-    device = M.init_distributed(device=args.device)
+def _main(a: argparse.Namespace) -> int:
+    import draft as D
+    from tokenizer import StreamDecoder, Tokenizer
+    check_args(a)
+    device = M.init_distributed(device=a.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[
-        args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    if args.no_triton:
+        a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    if a.no_triton:
         kernels.ENABLED = False
-    from tokenizer import Tokenizer
-    tok_dir = args.tokenizer or args.ckpt
-    tokenizer = Tokenizer.from_dir(tok_dir)
-    target = load_target(args.ckpt, device, dtype, progress=not args.quiet)
+    dargs = D.DraftArgs.from_config(a.draft) if a.draft and a.budget > 0 else None
+    if dargs is not None:
+        D.check_tp_divisibility(dargs, M.world_size)           # before the target loads, not after
+    check_cache_memory(a, M.ModelArgs.from_config(a.ckpt), dargs, device, dtype, len(a.prompt_texts or [0]))
+    tokenizer = Tokenizer.from_dir(a.tokenizer or a.ckpt)
+    target = load_target(a.ckpt, device, dtype, progress=not a.quiet)
     if tokenizer.vocab_size > target.args.vocab_size:
-        raise ValueError(f"tokenizer in {tok_dir} has {tokenizer.vocab_size} ids but the model's vocab_size is "
-                         f"{target.args.vocab_size}")
-    drafter = load_draft(args.draft, target, device, dtype) if args.draft and args.budget > 0 else None
-    M.print0(f"[loaded {args.ckpt}" + (f" + drafter {args.draft}" if drafter else "") + f" on {device}, "
-             f"{dtype}; {_memory_report(device)}]")
-    stop_ids = tokenizer.stop_ids
-    modes = [m for m, on in (("graph", args.cuda_graph), ("compile", args.compile)) if on]
-    mode = "eager" if args.eager or not modes else "+".join(modes)          # graph, compile or graph+compile
-    if "graph" in mode and device.type != "cuda":
-        raise ValueError("--cuda-graph needs a CUDA device")
-    kw = dict(drafter=drafter, budget=args.budget, chain=args.chain, temperature=args.temperature,
-              top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_seq_len=args.max_seq_len, mode=mode,
-              debug=args.debug)
+        raise ValueError(f"tokenizer in {a.tokenizer or a.ckpt} has {tokenizer.vocab_size} ids but the model's "
+                         f"vocab_size is {target.args.vocab_size}")
+    drafter = load_draft(a.draft, target, device, dtype) if dargs is not None else None
+    mem = f"peak host RSS {C.peak_rss_bytes() / 2**30:.2f} GiB" + (
+        f", device memory {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else "")
+    M.print0(f"[loaded {a.ckpt}" + (f" + drafter {a.draft}" if drafter else "") + f" on {device}, {dtype}; {mem}]")
+    modes = [m for m, on in (("graph", a.cuda_graph), ("compile", a.compile)) if on]
+    kw = dict(drafter=drafter, budget=a.budget, chain=a.chain, temperature=a.temperature, top_k=a.top_k,
+              top_p=a.top_p, seed=a.seed, max_seq_len=a.max_seq_len, stop_ids=tokenizer.stop_ids if not a.raw else (),
+              mode="eager" if a.eager or not modes else "+".join(modes), debug=a.debug)   # graph, compile, both
+    chat_kw = {} if a.thinking is None else {"thinking": a.thinking}    # unset: the template's own default
+    system = [{"role": "system", "content": a.system}] if a.system is not None else []
+    encode = tokenizer.encode if a.raw else (
+        lambda text: tokenizer.apply_chat_template(system + [{"role": "user", "content": text}], **chat_kw))
+    if a.show_tree:      # each step's tree, then the tokens it committed, never mixed with streamed text
+        M.print0(T.LEGEND)
+        kw["show_tree"] = lambda tr, path: M.print0("\n" + T.format_tree(tr, lambda t: tokenizer.decode([t]), path))
 
     def run(prompt_ids: list[int]) -> list[int]:
-        stream = StreamPrinter(tokenizer)
-        show = None
-        if args.show_tree:
-            show = lambda tr, path: M.print0("\n" + T.format_tree(tr, decode=lambda t: repr(tokenizer.decode([t])),
-                                                                  accepted=path))
-        stats = Stats()
-        ids = generate(target, prompt_ids, args.max_new_tokens, stop_ids=stop_ids if not args.raw else (),
-                       on_tokens=stream, show_tree=show, stats=stats, **kw)
-        stream.flush()
-        _print_stats(stats, drafter is not None)
+        """One prompt, streamed as it is committed (never a broken UTF-8 character), then its statistics."""
+        dec, stats = StreamDecoder(tokenizer), Stats()
+        stream = (lambda ids: M.print0("committed: " + " ".join(repr(tokenizer.decode([t])) for t in ids))
+                  ) if a.show_tree else (lambda ids: M.print0(dec.push(ids), end="", flush=True))
+        ids = generate(target, prompt_ids, a.max_new_tokens, on_tokens=stream, stats=stats, **kw)
+        stop = f", stopped: {stats.stopped}" if stats.stopped else ""
+        M.print0(dec.flush() + f"\n[{stats.new_tokens} tokens in {stats.decode_s:.2f} s: {stats.tokens_per_s:.1f} "
+                 f"tok/s, prefill {stats.prefill_s * 1000:.0f} ms{stop}]")
+        if drafter is not None:
+            st = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in stats.stage_s.items())
+            M.print0(f"[mean accept length {stats.mean_accept:.2f} over {len(stats.accept_lens)} steps; "
+                     f"histogram {stats.histogram()}; {st}]")
         return ids
 
-    if args.prompts:
-        run_batch(args, tokenizer, target, drafter, kw)
-    elif args.prompt_ids:
-        run([int(t) for t in args.prompt_ids.split(",")])
-    elif args.prompt is not None or not sys.stdin.isatty():
-        text = args.prompt if args.prompt is not None else sys.stdin.read()
-        if args.raw:
-            ids = tokenizer.encode(text)
-        else:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], thinking=args.thinking)
-        M.print0(text if args.raw else "", end="")
-        run(ids)
+    if a.prompt_texts:
+        run_batch(a, tokenizer, target, kw, encode)
+    elif a.prompt_ids is not None:
+        run(a.prompt_ids)
+    elif a.prompt is None and sys.stdin.isatty():
+        bundled = os.path.realpath(a.ckpt) == os.path.realpath(BUNDLED_TARGET)
+        interactive(tokenizer, run, chat_kw, system, note="; the bundled tiny model is a code model, not an "
+                    "assistant: it continues code (try --prompt 'def fib(n):' --raw)" if bundled else "")
     else:
-        interactive(tokenizer, run, args.thinking)
+        text = a.prompt if a.prompt is not None else sys.stdin.read()
+        M.print0(text if a.raw else "", end="\n" if a.show_tree else "")       # a raw prompt: the text continues it
+        run(encode(text))
     return 0
 
 
-def run_batch(args, tokenizer, target, drafter, kw) -> None:
+def run_batch(a, tokenizer, target, kw, encode) -> None:
     """--prompts FILE: one prompt per line, decoded together as one batch."""
-    with open(args.prompts) as f:
-        texts = [line.rstrip("\n") for line in f if line.strip()]
-    if not texts:
-        raise ValueError(f"{args.prompts}: no prompts (one per line)")
-    enc = (lambda t: tokenizer.encode(t)) if args.raw else (
-        lambda t: tokenizer.apply_chat_template([{"role": "user", "content": t}], thinking=args.thinking))
-    kw = {k: v for k, v in kw.items() if k not in ("debug",)}
-    if kw["mode"] == "eager":
-        kw["mode"] = "static"      # batching runs the fixed-shape step (per-row lengths live on the device)
     stats = Stats()
-    outs = generate_batch(target, [enc(t) for t in texts], args.max_new_tokens,
-                          stop_ids=tokenizer.stop_ids if not args.raw else (), stats=stats, **kw)
-    for t, o in zip(texts, outs):
+    outs = generate_batch(target, [encode(t) for t in a.prompt_texts], a.max_new_tokens, stats=stats, **kw)
+    for t, o in zip(a.prompt_texts, outs):
         M.print0(f"--- {t!r}\n{tokenizer.decode([x for x in o if x not in tokenizer.stop_ids])}")
-    M.print0(f"[{len(texts)} prompts, {stats.new_tokens} tokens in {stats.decode_s:.2f} s: "
+    M.print0(f"[{len(outs)} prompts, {stats.new_tokens} tokens in {stats.decode_s:.2f} s: "
              f"{stats.new_tokens / max(stats.decode_s, 1e-9):.1f} tok/s in total; mean accept {stats.mean_accept:.2f}]")
 
 
-class StreamPrinter:
-    """Prints committed tokens as they arrive, never a broken UTF-8 character (rank 0 only)."""
-
-    def __init__(self, tokenizer):
-        from tokenizer import StreamDecoder
-        self.dec = StreamDecoder(tokenizer)
-
-    def __call__(self, ids: list[int]) -> None:
-        M.print0(self.dec.push(ids), end="", flush=True)
-
-    def flush(self) -> None:
-        M.print0(self.dec.flush(), end="", flush=True)
-
-
-def interactive(tokenizer, run, thinking: bool) -> None:
-    """Multi-turn chat: history kept; /reset clears it, /exit or EOF ends. Under torchrun only rank 0 reads
-    the terminal and broadcasts the line to the others."""
-    history: list[dict] = []
-    while True:
-        line = _read_line("> ")
-        if line is None or line.strip() == "/exit":
-            return
+def interactive(tokenizer, run, chat_kw: dict, system: list[dict] = (), note: str = "") -> None:
+    """Multi-turn chat: each turn renders the whole history (after `system`) through the checkpoint's chat
+    template; /reset clears it, /exit or EOF ends. Under torchrun rank 0 reads the terminal for every rank."""
+    M.print0(f"[chat: /reset clears the history, /exit or Ctrl-D ends{note}]")
+    history = list(system)
+    while (line := _read_line("> ")) is not None and line.strip() != "/exit":
         if line.strip() == "/reset":
-            history = []
+            history = list(system)
             M.print0("[history cleared]")
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        try:
-            ids = run(tokenizer.apply_chat_template(history, thinking=thinking))
-        except KeyboardInterrupt:
-            M.print0("\n[interrupted]")
-            history.pop()
-            continue
-        answer = tokenizer.decode([t for t in ids if t not in tokenizer.stop_ids])
-        history.append({"role": "assistant", "content": answer})
+        elif line.strip():
+            history.append({"role": "user", "content": line})
+            try:
+                ids = run(tokenizer.apply_chat_template(history, **chat_kw))
+            except KeyboardInterrupt:
+                M.print0("\n[interrupted]")
+                history.pop()
+                continue
+            # what precedes </think> is reasoning: the template decides whether later turns see it
+            text = tokenizer.decode([t for t in ids if t not in tokenizer.stop_ids])
+            reasoning, think_end, answer = text.rpartition("</think>")
+            history.append({"role": "assistant", "content": answer.strip()}
+                           | ({"reasoning_content": reasoning.strip()} if think_end else {}))
 
 
 def _read_line(prompt: str) -> str | None:
-    line = None
+    """Rank 0 reads the terminal (None at EOF) and broadcasts the line: every rank decodes the same prompt."""
+    box = [None]
     if M.rank == 0:
         try:
-            line = input(prompt)
+            box[0] = input(prompt)
         except EOFError:
-            line = None
+            pass
     if M.world_size > 1:
-        import torch.distributed as dist
-        box = [line]
-        dist.broadcast_object_list(box, src=0)     # every rank decodes the same prompt
-        line = box[0]
-    return line
+        torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):            # a ValueError naming the flag (main prints one line), not the usage block
+        raise ValueError(f"{message} (see --help)")
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    def _get_help_string(self, action):  # every default shown, except "off" and "chosen at run time"
+        shown = action.default not in (None, argparse.SUPPRESS) and action.default is not False
+        return action.help + (" (default: %(default)s)" if shown and "%(default)" not in action.help else "")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=_Help, epilog="""which prompt:
+  --prompt, --prompt-ids or --prompts: generate once and exit. With none of them, a terminal on stdin starts a
+  chat (multi-turn, through the checkpoint's chat template); any other stdin is read as one prompt.
+  The bundled tiny model is a code model, not an assistant: try --prompt "def fib(n):" --raw""")
     p.add_argument("--ckpt", default=BUNDLED_TARGET, help="target checkpoint dir (HF safetensors, K2/K2.6 layout)")
     p.add_argument("--draft", default=None, help="DFlash drafter dir (default: the bundled one with the bundled model)")
-    p.add_argument("--tokenizer", default=None, help="dir with tiktoken.model + tokenizer_config.json (default: --ckpt)")
-    p.add_argument("--prompt", default=None, help="user message (chat template applied unless --raw)")
+    p.add_argument("--tokenizer", default=None, help="dir with tiktoken.model, tokenizer_config.json (default: --ckpt)")
+    one = p.add_mutually_exclusive_group()
+    one.add_argument("--prompt", default=None, help="user message (chat template applied unless --raw)")
+    one.add_argument("--prompt-ids", default=None, help="comma-separated token ids (no tokenizer involved)")
+    one.add_argument("--prompts", default=None, help="file with one prompt per line: decoded together as a batch")
     p.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text as is")
-    p.add_argument("--prompt-ids", default=None, help="comma-separated token ids (no tokenizer involved)")
-    p.add_argument("--prompts", default=None, help="file with one prompt per line: decoded together as a batch")
-    p.add_argument("--thinking", action="store_true", help="K2.6 thinking mode (<think>) instead of instant")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--system", default=None, help="a system message before the conversation")
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="K2.6 thinking mode on or off (default: the chat template's own choice)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="stop after this many generated tokens")
     p.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (prompt + generated)")
     p.add_argument("--budget", type=int, default=8, help="DDTree node budget (0: autoregressive)")
     p.add_argument("--chain", action="store_true", help="DFlash chain instead of a tree")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--show-tree", action="store_true", help="print each step's tree with the accepted path")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens holding this mass")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--show-tree", action="store_true", help="print each step's tree, then the tokens it committed")
     p.add_argument("--device", default=None, help=M.DEVICE_HELP)
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="weights and activations (default: bf16 on CUDA, fp32 on the CPU)")
     p.add_argument("--no-triton", action="store_true", help="force the PyTorch reference kernels")
     p.add_argument("--cuda-graph", action="store_true", help="replay each step as a captured CUDA graph")
     p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step")
     p.add_argument("--eager", action="store_true", help="force the eager reference loop (the default)")
     p.add_argument("--debug", action="store_true", help="NaN/inf checks per layer, TP agreement, full tracebacks")
-    p.add_argument("--quiet", action="store_true")
-    a = p.parse_args(argv)
-    if a.ckpt == BUNDLED_TARGET and a.draft is None:
-        a.draft = BUNDLED_DRAFT
-        if a.prompt is None and a.prompt_ids is None and a.prompts is None:
-            a.prompt, a.raw = DEFAULT_PROMPT, True     # the bundled model continues code; it is no chat model
-    if a.budget < 0 or a.budget > MAX_BUDGET:
-        p.error(f"--budget must be in [0, {MAX_BUDGET}], got {a.budget}")
-    if a.max_new_tokens < 1 or a.max_seq_len < 2:
-        p.error("--max-new-tokens must be >= 1 and --max-seq-len >= 2")
-    if a.temperature < 0:
-        p.error(f"--temperature must be >= 0, got {a.temperature}")
-    if not 0 < a.top_p <= 1:
-        p.error(f"--top-p must be in (0, 1], got {a.top_p}")
-    return a
+    p.add_argument("--quiet", action="store_true", help="no loading progress bar")
+    return p
 
 
 if __name__ == "__main__":

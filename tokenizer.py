@@ -1,16 +1,23 @@
 """
-Kimi K2.6 tokenizer: tiktoken BPE + Kimi special tokens + the K2.6 chat template + streaming decode.
+Kimi K2.6 tokenizer: tiktoken BPE + Kimi special tokens + the checkpoint's own chat template + streaming decode.
 
 Loads a Kimi-style checkpoint directory:
     tiktoken.model          one `base64(token_bytes) rank` per line; ranks 0..N-1 are the BPE vocab
-    tokenizer_config.json   `added_tokens_decoder` names the special ids N, N+1, ...
+    tokenizer_config.json   `added_tokens_decoder` names the special ids N, N+1, ...; optional `chat_template`
+    chat_template.jinja     (optional) the chat template; wins over tokenizer_config.json's `chat_template`
     generation_config.json  (optional) `eos_token_id`: extra stop ids
 This is the construction of Moonshot's `tokenization_kimi.py`, rebuilt on `tiktoken.Encoding` so that
-we need no remote code. HF's AutoTokenizer gets the special ids wrong for Kimi (kimi_k2.md §3.5).
+we need no remote code (HF's AutoTokenizer gets the special ids wrong for Kimi). Chats are rendered from the
+checkpoint's Jinja template with the settings transformers, vLLM and SGLang use, so a prompt is what the
+model's users expect; the K2.6 format itself lives in that file, not here (KIMI_CHAT_TEMPLATE is what our
+writers put into the bundled checkpoint).
 
 Invariants:
 * ids 0..N-1 are the BPE ranks from the file, N = num_base_tokens = line count (163584 for K2.6),
   counted and never hard-coded; ids N..N+255 are special, unnamed ones are `<|reserved_token_{id}|>`.
+* apply_chat_template(...) renders exactly the string transformers renders from the same template, and
+  only the template's own markup becomes special ids: a special-token string inside a message, tool or
+  template argument is encoded as plain text.
 * StreamDecoder: "".join(push(...) for each chunk) + flush() == decode(all ids), and push never returns
   a half-finished UTF-8 character.
 
@@ -22,15 +29,20 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import functools
 import json
 import re
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Iterable
 
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
 import tiktoken
 
-# The K2 pre-tokenizer regex, byte-identical to `pat_str` in every tokenization_kimi.py (kimi_k2.md §3.2).
+# The K2 pre-tokenizer regex, byte-identical to `pat_str` in every tokenization_kimi.py .
 # It is o200k's pattern plus a leading Han arm. `&&[^\p{Han}]` is character-class *intersection*: the
 # two letter arms exclude Han, so a Han run is always its own piece and no token can span Han and Latin.
 # tiktoken's Rust regex engine supports `&&`; Python's `re` does not (the `regex` module does, with V1).
@@ -46,7 +58,7 @@ PAT = "|".join([
 ])
 
 NUM_RESERVED_SPECIAL_TOKENS = 256  # K2.5/K2.6 build exactly 256 special ids (K2 built 258), n_vocab = N + 256
-DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 # Kimi's encode() feeds tiktoken at most 400k chars at a time and cuts runs of > 25k whitespace or
 # non-whitespace chars, because tiktoken's regex matching goes quadratic on such runs (tiktoken #195).
@@ -54,7 +66,7 @@ DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 
-# Offsets from num_base_tokens of the named K2.6 special tokens (kimi_k2.md §3.3, ids = 163584 + offset).
+# Offsets from num_base_tokens of the named K2.6 special tokens (ids = 163584 + offset for K2.6).
 _KIMI_SPECIAL_OFFSETS = {
     0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
     6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
@@ -63,9 +75,10 @@ _KIMI_SPECIAL_OFFSETS = {
     18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>",
     22: "<think>", 23: "</think>", 254: "[UNK]", 255: "[PAD]",
 }
-# Kimi's config marks the tool-call markers "special": false (they are still tiktoken special tokens).
+# K2.6's config marks the tool-call markers and <think> / </think> "special": false (HF's decode keeps them
+# under skip_special_tokens). They are still tiktoken special tokens: one id each, whatever this flag says.
 _NOT_SPECIAL = {"<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-                "<|tool_call_argument_begin|>", "<|tool_call_end|>"}
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>"}
 
 
 def KIMI_SPECIAL_TOKENS(num_base: int) -> dict[int, str]:
@@ -148,6 +161,18 @@ def load_special_names(path: str | Path, num_base: int) -> dict[int, str]:
     return names
 
 
+def load_template_tokens(path: str | Path) -> dict[str, str]:
+    """bos_token / eos_token / unk_token / pad_token from tokenizer_config.json (a name or {"content": name}).
+    transformers passes these to every chat template, so we do too."""
+    cfg, tokens = _read_json(Path(path)), {}
+    for field in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        value = cfg.get(field)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            tokens[field] = value
+    return tokens
+
+
 def load_eos_ids(path: str | Path) -> set[int]:
     """`eos_token_id` (int or list) from an optional generation_config.json; empty set if absent."""
     path = Path(path)
@@ -158,6 +183,111 @@ def load_eos_ids(path: str | Path) -> set[int]:
     if not isinstance(eos, list) or not all(type(i) is int and i >= 0 for i in eos):  # type(): bool is an int
         raise ValueError(f"{path}: field 'eos_token_id' must be an id or a list of ids, got {eos!r}")
     return set(eos)
+
+
+# The K2.6 chat format as our writers ship it (checkpoints/tiny-k2/chat_template.jinja is this text; train.py writes
+# it). Rendering never reads this constant: it reads the checkpoint's own template, like every other engine.
+KIMI_CHAT_TEMPLATE = r'''{#- The Kimi K2.6 chat format.
+    A turn: <|im_user|>, <|im_assistant|> or <|im_system|> (every other role), the message's name (else its role),
+    <|im_middle|>, the content, <|im_end|>. Besides messages, tools and add_generation_prompt it reads:
+      thinking           unset or true: the reply opens with <think>; false: it starts after <think></think>
+      preserve_thinking  true: every assistant turn keeps its reasoning_content; unset or false: only the turns
+                         after the last final answer (an assistant turn without tool_calls) keep it -#}
+{%- macro text_of(message) -%}
+  {%- set content = message.get('content') -%}
+  {%- if content is string -%}
+    {{- content -}}
+  {%- elif content is not none -%}
+    {%- for part in content -%}
+      {%- if part.get('type', 'text') != 'text' -%}
+        {{- raise_exception("a '" ~ part.get('type') ~ "' part: this model reads text only") -}}
+      {%- endif -%}
+      {{- part['text'] -}}
+    {%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+
+{%- macro open_turn(message) -%}
+  {%- if message['role'] == 'user' -%}
+    <|im_user|>
+  {%- elif message['role'] == 'assistant' -%}
+    <|im_assistant|>
+  {%- else -%}
+    <|im_system|>
+  {%- endif -%}
+  {{- message.get('name') or message['role'] -}}
+  <|im_middle|>
+{%- endmacro -%}
+
+{%- macro tool_calls(message) -%}
+  <|tool_calls_section_begin|>
+  {%- for call in message['tool_calls'] -%}
+    {%- set arguments = call['function']['arguments'] -%}
+    <|tool_call_begin|>{{ call['id'] }}<|tool_call_argument_begin|>
+    {{- arguments if arguments is string else arguments | tojson -}}
+    <|tool_call_end|>
+  {%- endfor -%}
+  <|tool_calls_section_end|>
+{%- endmacro -%}
+
+{#- assistant turns up to the last final answer are history: their reasoning is dropped -#}
+{%- set last = namespace(answer=-1) -%}
+{%- for message in messages -%}
+  {%- if message['role'] == 'assistant' and not message.get('tool_calls') -%}
+    {%- set last.answer = loop.index0 -%}
+  {%- endif -%}
+{%- endfor -%}
+
+{%- if tools -%}
+  <|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>
+{%- endif -%}
+
+{%- for message in messages -%}
+  {{- open_turn(message) -}}
+  {%- if message['role'] == 'assistant' -%}
+    {%- if preserve_thinking is true or loop.index0 > last.answer -%}
+      <think>{{ message.get('reasoning_content') or '' }}</think>
+    {%- else -%}
+      <think></think>
+    {%- endif -%}
+    {{- text_of(message) -}}
+    {%- if message.get('tool_calls') -%}
+      {{- tool_calls(message) -}}
+    {%- endif -%}
+  {%- elif message['role'] == 'tool' -%}
+    {{- '## Return of ' ~ message.get('tool_call_id', '') ~ '\n' ~ text_of(message) -}}
+  {%- else -%}
+    {{- text_of(message) -}}
+  {%- endif -%}
+  <|im_end|>
+{%- endfor -%}
+
+{%- if add_generation_prompt -%}
+  <|im_assistant|>assistant<|im_middle|>
+  {%- if thinking is false -%}
+    <think></think>
+  {%- else -%}
+    <think>
+  {%- endif -%}
+{%- endif -%}
+'''
+
+
+def load_chat_template(directory: str | Path) -> str | None:
+    """chat_template.jinja, else tokenizer_config.json's `chat_template` (a string, or HF's list of named
+    templates: the one named "default"), else None."""
+    directory = Path(directory)
+    if (directory / CHAT_TEMPLATE_FILE).is_file():
+        return (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    path = directory / "tokenizer_config.json"
+    template = _read_json(path).get("chat_template") if path.is_file() else None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{path}: field 'chat_template' must be a string or a list of "
+                         f"{{'name', 'template'}} with a 'default' one")
+    return template
 
 
 def write_tiktoken_model(path: str | Path, ranks: dict[bytes, int]) -> None:
@@ -176,6 +306,11 @@ def write_tokenizer_config(path: str | Path, special: dict[int, str]) -> None:
     cfg["tokenizer_class"] = "TikTokenTokenizer"
     Path(path).write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
+
+def write_chat_template(directory: str | Path, template: str = KIMI_CHAT_TEMPLATE) -> None:
+    """The chat template file a K2.6 checkpoint ships next to its tokenizer_config.json."""
+    Path(directory, CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
+
 # -----------------------------------------------------------------------------
 
 def split_long_runs(text: str, max_run: int = MAX_RUN_CHARS) -> list[str]:
@@ -187,11 +322,71 @@ def split_long_runs(text: str, max_run: int = MAX_RUN_CHARS) -> list[str]:
     return [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
 
 
+# -----------------------------------------------------------------------------
+# chat templates, rendered as transformers renders them: a sandbox (the template cannot reach Python internals or
+# change its inputs), trim_blocks + lstrip_blocks, {% break %} / {% continue %}, and the same tojson,
+# raise_exception and strftime_now.
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # not jinja's own tojson, which HTML-escapes <, >, & and ' (a template's `tools | tojson` would change)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=8)
+def compile_chat_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env.from_string(source)
+
+
+def chat_messages(messages) -> list[dict]:
+    """messages as a template gets them, checked. Content: a str, or a list of text parts (joined here, so that
+    no two strings from a message can meet in the render and spell a special token). As transformers does: keys
+    set to None are dropped, and `reasoning` / `thinking` are copied to reasoning_content."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages: expected a non-empty list of {{'role': ..., 'content': ...}} dicts, "
+                         f"got {messages!r:.100}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+            raise ValueError(f"messages[{i}]: expected a dict with a str 'role', got {m!r:.100}")
+        m = {k: v for k, v in m.items() if v is not None}
+        content = m.get("content")
+        if isinstance(content, (list, tuple)):
+            for j, part in enumerate(content):
+                kind = part.get("type", "text") if isinstance(part, dict) else type(part).__name__
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}].content[{j}]: a {kind!r} part, but this engine reads text only "
+                                     f"(parts must be {{'type': 'text', 'text': str}})")
+            m["content"] = "".join(part["text"] for part in content)
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content: expected a str or a list of text parts, "
+                             f"got {type(content).__name__}")
+        reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
+# Before a render that will be tokenized, every special-token string inside the caller's strings is wrapped in two
+# private-use characters, so the render shows which special-token strings the template wrote (-> ids) and which
+# came from a message (-> plain text). A marker character in the input is wrapped too, so no input forges a span.
+_OPEN, _CLOSE = "\ue000", "\ue001"
+
+
 class Tokenizer:
     """tiktoken.Encoding over the Kimi vocab, special ids and chat template. Build with from_dir()."""
 
     def __init__(self, mergeable_ranks: dict[bytes, int], special_names: dict[int, str],
-                 eos_ids: Iterable[int] = (), name: str = "kimi"):
+                 eos_ids: Iterable[int] = (), name: str = "kimi", chat_template: str | None = None,
+                 template_tokens: dict[str, str] | None = None, source: str = "this tokenizer"):
         self.num_base_tokens = len(mergeable_ranks)
         n = self.num_base_tokens
         # every named id, plus reserved names for the gaps in n..n+255 (more if a name sits beyond that)
@@ -201,18 +396,27 @@ class Tokenizer:
             raise ValueError("a special-token name collides with a reserved name <|reserved_token_{id}|>")
         self.enc = tiktoken.Encoding(name, pat_str=PAT, mergeable_ranks=mergeable_ranks,
                                      special_tokens=self.special_tokens)
-        # stop on end-of-turn and on [EOS] (kimi_k2.md §3.4), plus whatever generation_config says
+        # stop on end-of-turn and on [EOS], plus whatever generation_config says
         self.stop_ids = {self.special_tokens[s] for s in ("<|im_end|>", "[EOS]") if s in self.special_tokens}
         self.stop_ids |= set(eos_ids)
         if bad := sorted(i for i in self.stop_ids if i >= self.vocab_size):
             raise ValueError(f"eos ids {bad} are outside the vocab (n_vocab={self.vocab_size})")
+        self.chat_template = chat_template              # Jinja source; settable, compiled on first use
+        self.template_tokens = dict(template_tokens or {})
+        self.source = source
+        names = "|".join(map(re.escape, sorted(self.special_tokens, key=len, reverse=True)))  # longest first
+        self._special_re = re.compile(f"({names})")                               # split() keeps the names
+        self._typed_re = re.compile(f"{names}|[{_OPEN}{_CLOSE}]")                  # what _mark wraps
+        self._marked_re = re.compile(f"{_OPEN}({names}|[{_OPEN}{_CLOSE}]){_CLOSE}")  # a wrapped span
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
         path = Path(path)
         ranks = load_tiktoken_model(path / "tiktoken.model")
         special = load_special_names(path / "tokenizer_config.json", num_base=len(ranks))
-        return cls(ranks, special, load_eos_ids(path / "generation_config.json"), name=path.name or "kimi")
+        return cls(ranks, special, load_eos_ids(path / "generation_config.json"), name=path.name or "kimi",
+                   chat_template=load_chat_template(path),
+                   template_tokens=load_template_tokens(path / "tokenizer_config.json"), source=str(path))
 
     @property
     def vocab_size(self) -> int:
@@ -256,42 +460,81 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
-    # --- chat template (K2.6) ---
+    # --- chat template: the checkpoint's own ---
 
-    def _chat_segments(self, messages: list[dict], thinking: bool, add_generation_prompt: bool) -> list[tuple[str, bool]]:
-        """The prompt as (text, is_special_token) pieces. Both renderers below read this one list."""
-        S, T = (lambda s: (s, True)), (lambda s: (s, False))
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}] must be a dict with str 'role' and 'content', got {m!r:.200}")
-            if not re.fullmatch(r"[A-Za-z0-9_\-]+", m["role"]):
-                raise ValueError(f"messages[{i}]: unknown role {m['role']!r} (want user, assistant, system, tool, ...)")
-        if not messages or messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}] + list(messages)
-        header = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}  # every other role: <|im_system|>
-        segs: list[tuple[str, bool]] = []
-        for m in messages:
-            segs += [S(header.get(m["role"], "<|im_system|>")), T(m["role"]), S("<|im_middle|>")]
-            if m["role"] == "assistant":  # history drops reasoning: an empty think block, then the answer
-                segs += [S("<think>"), S("</think>")]
-            segs += [T(m["content"]), S("<|im_end|>")]
-        if add_generation_prompt:
-            segs += [S("<|im_assistant|>"), T("assistant"), S("<|im_middle|>"), S("<think>")]
-            if not thinking:  # instant mode: the model starts straight after a closed, empty think block
-                segs.append(S("</think>"))
-        return [(s, sp) for s, sp in segs if s]
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True, tokenize: bool = True, **kwargs) -> list[int] | str:
+        """transformers' signature: the chat template rendered with messages, tools, add_generation_prompt and every
+        other keyword argument (K2.6 reads thinking and preserve_thinking); tokenize=False returns the string.
+        The ids are those of that string, except that special-token strings from the caller's inputs stay plain
+        text. No BOS is added (K2.6's template writes none)."""
+        messages = chat_messages(messages)
+        if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"tools: expected a list of tool dicts (JSON schemas), got {tools!r:.100}")
+        inputs = (messages, tools, kwargs)
+        if not tokenize:
+            return self._render(inputs, add_generation_prompt)
+        marked = self._mark(inputs)
+        text = self._render(marked, add_generation_prompt)
+        # a template that edits strings (escapes, slices) may have moved the markers: then refuse, never guess
+        if marked != inputs and self._unmark(text) != self._render(inputs, add_generation_prompt):
+            raise ValueError(f"{self.source} chat template: it rewrites special-token strings found in a message "
+                             f"(e.g. escapes them), so they cannot be kept as plain text")
+        return self._encode_rendered(text)
 
-    def render_chat(self, messages: list[dict], thinking: bool = False, add_generation_prompt: bool = True) -> str:
-        return "".join(s for s, _ in self._chat_segments(messages, thinking, add_generation_prompt))
+    def _render(self, inputs: tuple, add_generation_prompt: bool) -> str:
+        """The template rendered with inputs = (messages, tools, kwargs), and bos_token etc. as transformers does."""
+        messages, tools, kwargs = inputs
+        if self.chat_template is None:
+            raise ValueError(f"{self.source}: no chat template (no {CHAT_TEMPLATE_FILE}, no 'chat_template' in "
+                             f"tokenizer_config.json): encode raw text, or set Tokenizer.chat_template")
+        try:
+            template = compile_chat_template(self.chat_template)
+            variables = {**self.template_tokens, "documents": None, **kwargs}
+            return template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                   **variables)
+        except jinja2.TemplateError as e:  # syntax errors, raise_exception(...), undefined attributes
+            line = f", line {e.lineno}" if getattr(e, "lineno", None) else ""
+            raise ValueError(f"{self.source} chat template{line}: {e.message or type(e).__name__}") from None
 
-    def apply_chat_template(self, messages: list[dict], thinking: bool = False,
-                            add_generation_prompt: bool = True) -> list[int]:
-        # Message text is encoded with allow_special=False, so a user typing "<|im_end|>" cannot forge a
-        # turn boundary. HF renders the string and encodes it with allowed_special="all"; the ids agree
-        # with encode(render_chat(...)) except when message text contains special-token strings. No BOS.
+    def _mark(self, obj):
+        """obj with every special-token string (and marker character) inside its strings wrapped; keys kept."""
+        if isinstance(obj, str):
+            return self._typed_re.sub(lambda m: _OPEN + m.group(0) + _CLOSE, obj)
+        if isinstance(obj, dict):
+            return {k: self._mark(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._mark(v) for v in obj)
+        return obj
+
+    def _unmark(self, text: str) -> str:
+        """A render of marked inputs as the render of the inputs themselves (read as _encode_rendered reads it)."""
+        pieces = self._marked_re.split(text)
+        return "".join(p if k % 2 else re.sub(f"[{_OPEN}{_CLOSE}]", "", p) for k, p in enumerate(pieces))
+
+    def _encode_rendered(self, text: str) -> list[int]:
+        """Ids of a render of marked inputs. Special-token strings the template wrote -> their ids; wrapped ones ->
+        plain text, encoded together with the text around them (the BPE sees the same runs as in the string)."""
         ids: list[int] = []
-        for s, special in self._chat_segments(messages, thinking, add_generation_prompt):
-            ids += [self.special_tokens[s]] if special else self.encode(s, allow_special=False)
+        run: list[str] = []  # plain text since the last special id
+
+        def flush():
+            ids.extend(self.encode("".join(run), allow_special=False))
+            run.clear()
+
+        for k, piece in enumerate(self._marked_re.split(text)):
+            if k % 2:  # a wrapped span: a special-token string or marker from the inputs
+                run.append(piece)
+                continue
+            # a lone marker (the template cut a wrapped span) still separates: nothing joins across it
+            for sub in re.split(f"[{_OPEN}{_CLOSE}]", piece):
+                for j, part in enumerate(self._special_re.split(sub)):
+                    if j % 2:
+                        flush()
+                        ids.append(self.special_tokens[part])
+                    else:
+                        run.append(part)
+        flush()
         return ids
 
 
@@ -321,4 +564,5 @@ if __name__ == "__main__":
           f"eos={tok.eos_id} im_end={tok.im_end_id} stop_ids={sorted(tok.stop_ids)}")
     ids = tok.encode(text)
     print(ids, [tok.decode([i]) for i in ids])
-    print(repr(tok.render_chat([{"role": "user", "content": text}])))
+    if tok.chat_template is not None:
+        print(repr(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False)))

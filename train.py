@@ -14,8 +14,9 @@ supplies the target's settings and figures. On a GPU whose calls are time-limite
 the next the drafter; r['stage_seconds'] says how long each step took.
 
 Writes <out>/tiny-k2/ (config.json, INT4 pack-quantized shards + index, tiktoken.model, tokenizer_config.json,
-generation_config.json), <out>/tiny-k2-dflash/ (config.json, model.safetensors), and <out>/train_log.json (loss
-curves), <out>/heldout_files.txt, <out>/model_card.md. With --out checkpoints, generate.py serves them with no flags.
+chat_template.jinja, generation_config.json), <out>/tiny-k2-dflash/ (config.json, model.safetensors), and
+<out>/train_log.json (loss curves), <out>/heldout_files.txt, <out>/model_card.md. With --out checkpoints, generate.py
+serves them with no flags.
 
 Steps: 1 corpus, 2 tokenizer, 3 target, 4 INT4 export, 5 drafter, 6 evaluation (numbered below).
 Invariants:
@@ -46,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import checkpoint as C
 import draft as D
 import model as M
 import tokenizer as tk
@@ -158,11 +160,13 @@ def bpe_ranks(bpe) -> dict[bytes, int]:
 
 
 def write_tokenizer(out_dir: str, ranks: dict[bytes, int]) -> tk.Tokenizer:
-    """tiktoken.model + tokenizer_config.json (K2 special ids right after the BPE vocab) + generation_config.json."""
+    """tiktoken.model + tokenizer_config.json (K2 special ids right after the BPE vocab) + chat_template.jinja (the
+    K2.6 chat format) + generation_config.json."""
     os.makedirs(out_dir, exist_ok=True)
     n = len(ranks)
     tk.write_tiktoken_model(os.path.join(out_dir, "tiktoken.model"), ranks)
     tk.write_tokenizer_config(os.path.join(out_dir, "tokenizer_config.json"), tk.KIMI_SPECIAL_TOKENS(n))
+    tk.write_chat_template(out_dir)
     gen = {"bos_token_id": n, "eos_token_id": n + 1, "pad_token_id": n + 255, "do_sample": False}
     Path(out_dir, "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return tk.Tokenizer.from_dir(out_dir)
@@ -330,16 +334,16 @@ def train_target(model, train, val, p, device, log, steps=None, lr=None, tag="ta
 
 
 def int4_roundtrip(w: torch.Tensor, dtype: torch.dtype, serve_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """[..., O, I] float -> the served weights: cast to the export dtype, model.quantize_int4, dequantize like
-    kernels.dequant_int4_ref (q * scale, rounded to the dtype the model is served in)."""
+    """[..., O, I] float -> the served weights: cast to the export dtype, checkpoint.quantize_int4, dequantize like
+    model.dequant_int4 (q * scale, rounded to the dtype the model is served in)."""
     with torch.no_grad():
-        q, s = M.quantize_int4(w.detach().reshape(-1, w.shape[-1]).to(dtype), GROUP)
+        q, s = C.quantize_int4(w.detach().reshape(-1, w.shape[-1]).to(dtype), GROUP)
         deq = q.view(q.shape[0], -1, GROUP).float() * s.float().unsqueeze(-1)
         return deq.to(serve_dtype or dtype).float().view(w.shape)
 
 
 def experts_dense(x, ids, weights, w13, w2) -> torch.Tensor:
-    """model.experts_float_ref without its per-expert loop: every expert on every token, mixed by an [N, E]
+    """model.float_experts without its per-expert loop: every expert on every token, mixed by an [N, E]
     matrix that is zero off each token's top-k. Same values and gradients for E x the FLOPs, but a few
     kernels instead of ~10 per expert: training this small model on a GPU is bound by kernel launches."""
     combine = torch.zeros(x.shape[0], w13.shape[0], dtype=weights.dtype, device=x.device).scatter(1, ids, weights)
@@ -350,10 +354,10 @@ def experts_dense(x, ids, weights, w13, w2) -> torch.Tensor:
 
 @contextlib.contextmanager
 def expert_forward(model: M.Transformer, dense: bool = False, int4: tuple | None = None):
-    """Inside, the routed experts compute with experts_dense (dense=True) or experts_float_ref, and, with
+    """Inside, the routed experts compute with experts_dense (dense=True) or model.float_experts, and, with
     int4 = (export dtype, serve dtype), on int4_roundtrip(w): the weights the exported file will serve, with
     straight-through gradients to w (quantization-aware training)."""
-    fn = experts_dense if dense else M.experts_float_ref
+    fn = experts_dense if dense else M.float_experts
     wt = (lambda w: w + (int4_roundtrip(w, *int4).to(w.dtype) - w).detach()) if int4 else (lambda w: w)
     experts = [layer.mlp.experts for layer in model.layers if isinstance(layer.mlp, M.MoE)]
     for ex in experts:
@@ -369,8 +373,8 @@ def export_target(model: M.Transformer, text_cfg: dict, out_dir: str, dtype=torc
     """K2.6 layout: nested kimi_k25 config, `language_model.` prefix, INT4 pack-quantized experts, shards + index.
     Everything in `dtype` except the router bias (fp32, as in K2.6)."""
     state = {k: v.to("cpu", torch.float32 if "e_score_correction_bias" in k else dtype)
-             for k, v in M.hf_state_dict(model).items()}
-    M.save_checkpoint(state, M.k26_config(text_cfg, GROUP), out_dir, n_shards=n_shards)
+             for k, v in C.hf_state_dict(model).items()}
+    C.save_checkpoint(state, C.k26_config(text_cfg, GROUP), out_dir, n_shards=n_shards)
 
 
 def load_target(ckpt: str, device, dtype) -> M.Transformer:

@@ -11,6 +11,9 @@ Invariants:
     cache equals the cache of an autoregressive run over the same tokens;
   * tensor ops only (no .item(), no per-node Python loop), so a whole step can be captured in a CUDA graph.
 
+accept and commit_kv are marked @kernels.fast: on a GPU each is one Triton launch (kernels.py), equal to the
+PyTorch written here.
+
 Run the tests: python -m pytest -q tests/test_verify.py
 """
 from __future__ import annotations
@@ -18,14 +21,13 @@ from __future__ import annotations
 import torch
 
 import kernels
-import model as M
 from tree import Tree
 
 
 def verify_inputs(tree: Tree, start_pos: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Batched tree [B, N] -> (ids [B, N], positions [B, N], tree_mask) for the target forward: tree_mask is the
-    ancestor mask [B, N, N] bool, or its rows packed [B, N] int64 when the GPU search made them (the target would
-    pack the bool mask into that form anyway). The target writes node i's KV to slot start + i; the mask lets
+    ancestor mask [B, N, N] bool, or its rows packed [B, N] int64 when the tree carries them (N <= 64; the target
+    would pack the bool mask into that form anyway). The target writes node i's KV to slot start + i; the mask lets
     node i see only its ancestors and itself (the committed prefix before `start` is always visible, see model.MLA)."""
     start = torch.as_tensor(start_pos, device=tree.tokens.device).view(-1, 1)                 # [B, 1]
     positions = start + tree.depths                                                          # [B, N]
@@ -53,24 +55,14 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     return (probs / noise).argmax(dim=-1)
 
 
+@kernels.fast
 def accept(tree: Tree, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The longest root-to-node path whose every token equals the target's token at its parent.
 
     tree: batched [B, N]; target_tokens [B, N]: the target's (argmax or sampled) token after each node.
     Returns accepted [B, N] (node indices of the path in depth order, root first; entries past accept_len
     repeat the last node), accept_len [B] (nodes on the path incl. the root = tokens committed this step,
-    counting the bonus), bonus [B] (the target's token after the deepest accepted node).
-    On a GPU, for the search kernel's trees (packed mask rows), one launch (kernels.tree_accept) instead of
-    accept_ref's ~17 ops; the same values.
-    """
-    if tree.mask_bits is not None and M.fused(target_tokens.device):
-        return kernels.tree_accept(tree.tokens, tree.parents, tree.depths, tree.valid, tree.mask_bits,
-                                   target_tokens.contiguous())
-    return accept_ref(tree, target_tokens)
-
-
-def accept_ref(tree: Tree, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """accept in tensor ops (kernels.tree_accept's twin; any tree, any device)."""
+    counting the bonus), bonus [B] (the target's token after the deepest accepted node)."""
     B, N = tree.tokens.shape
     parent_target = target_tokens.gather(1, tree.parents.clamp(min=0))                       # [B, N]
     match = (tree.tokens == parent_target) & tree.valid                                      # [B, N]
@@ -88,24 +80,16 @@ def accept_ref(tree: Tree, target_tokens: torch.Tensor) -> tuple[torch.Tensor, t
     return accepted[:, :N], accept_len, bonus
 
 
+@kernels.fast
 def commit_kv(kv_cache: torch.Tensor, start_pos: torch.Tensor | int, accepted: torch.Tensor,
               accept_len: torch.Tensor) -> None:
     """Move the accepted path's KV (written at slots start + node) to slots start + [0, accept_len) for
-    every layer at once. kv_cache [n_layers, Bmax, S, C]; accepted [B, N]; accept_len [B].
+    every layer at once. kv_cache [n_layers, Bmax, S, C]; start_pos int or [B] (or [B, 1]); accepted [B, N];
+    accept_len [B].
 
     Valid without recompute: the path's nodes sat at positions start + depth = exactly the slots they move
-    to, and each saw only its ancestors, i.e. causal attention along the path. On a GPU one launch that
-    moves only those rows (kernels.commit_kv); elsewhere commit_kv_ref."""
-    if isinstance(start_pos, torch.Tensor) and M.fused(kv_cache.device):
-        start = start_pos.reshape(-1).expand(accepted.shape[0]).contiguous()                  # [B]
-        return kernels.commit_kv(kv_cache, start, accepted.contiguous(), accept_len.contiguous())
-    commit_kv_ref(kv_cache, start_pos, accepted, accept_len)
-
-
-def commit_kv_ref(kv_cache: torch.Tensor, start_pos: torch.Tensor | int, accepted: torch.Tensor,
-                  accept_len: torch.Tensor) -> None:
-    """commit_kv in tensor ops. Fixed shapes: slots past accept_len copy onto themselves, so the same ops serve
-    every tree and can be graph-captured."""
+    to, and each saw only its ancestors, i.e. causal attention along the path. Fixed shapes: slots past
+    accept_len copy onto themselves, so the same ops serve every tree and can be graph-captured."""
     B, N = accepted.shape
     start = torch.as_tensor(start_pos, device=accepted.device).view(-1, 1).expand(B, 1)     # [B, 1]
     j = torch.arange(N, device=accepted.device)                                              # [N]
@@ -113,8 +97,3 @@ def commit_kv_ref(kv_cache: torch.Tensor, start_pos: torch.Tensor | int, accepte
     kv = kv_cache[:, :B]                                                                     # [n_layers, B, S, C]
     slots = lambda t: t[None, :, :, None].expand(kv.shape[0], B, N, kv.shape[3])             # [n_layers, B, N, C]
     kv.scatter_(2, slots(start + j), kv.gather(2, slots(src)))    # gathered first: no aliasing
-
-
-def path_is_contiguous(accepted: list[int], accept_len: int) -> bool:
-    """Host-side check (eager mode reads the path anyway): nodes 0..k-1 accepted means no KV moves."""
-    return accepted[:accept_len] == list(range(accept_len))

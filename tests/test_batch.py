@@ -34,6 +34,18 @@ def test_batch_equals_single(pair, budget):
     assert G.generate_batch(target, PROMPTS, 24, drafter=drafter, budget=budget, max_seq_len=128) == alone
 
 
+@pytest.mark.parametrize("max_seq_len", [40, 45])
+def test_batch_at_the_cache_end(pair, max_seq_len):
+    """Rows of different lengths reach the cache end: once a tree no longer fits some row, the batch goes on one
+    token a step, and each row stops when its cache is full; every row still equals its own run."""
+    target, drafter = pair
+    alone = [G.generate(target, p, 60, drafter=drafter, budget=8, max_seq_len=max_seq_len) for p in PROMPTS]
+    stats = G.Stats()
+    assert G.generate_batch(target, PROMPTS, 60, drafter=drafter, budget=8, max_seq_len=max_seq_len,
+                            stats=stats) == alone
+    assert all(len(p) + len(o) == max_seq_len + 1 for p, o in zip(PROMPTS, alone)) and "cache full" in stats.stopped
+
+
 def test_finished_rows_are_frozen(pair, monkeypatch):
     """Row 2 stops on its first token; every later step leaves its committed cache slots (target and
     drafter) bit-identical, while the other rows decode exactly as they would alone."""
@@ -41,18 +53,18 @@ def test_finished_rows_are_frozen(pair, monkeypatch):
     prompts = [[1, 2, 3, 4], [8, 8, 8, 8, 8, 8], [3]]
     first = G.generate(target, prompts[2], 1, max_seq_len=96)[0]
     snaps = []
-    call = G.StaticStep.__call__
+    call = G.Step.__call__
 
-    def spy(self):
-        out = call(self)
+    def spy(self, spec, hook=None):
+        out = call(self, spec, hook)
         snaps.append((target.kv_cache[:, 2, :1].clone(), drafter.ctx_cache[:, :, 2, :1].clone()))
         return out
-    monkeypatch.setattr(G.StaticStep, "__call__", spy)
+    monkeypatch.setattr(G.Step, "__call__", spy)
     out = G.generate_batch(target, prompts, 20, drafter=drafter, budget=8, max_seq_len=96, stop_ids=[first])
     assert out[2] == [first] and len(snaps) >= 3
     for kv, ctx in snaps[1:]:
         assert torch.equal(kv, snaps[0][0]) and torch.equal(ctx, snaps[0][1])
-    monkeypatch.setattr(G.StaticStep, "__call__", call)
+    monkeypatch.setattr(G.Step, "__call__", call)
     for b in (0, 1):
         assert out[b] == G.generate(target, prompts[b], 20, drafter=drafter, budget=8, max_seq_len=96,
                                     stop_ids=[first])

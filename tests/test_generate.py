@@ -14,20 +14,25 @@ torch.set_default_dtype(torch.float32)
 
 class StubDrafter:
     """Drafter stand-in with arbitrary logits: 'perfect' (knows the greedy continuation), 'random', or
-    'adversarial' (puts the true next token last). Exercises every acceptance length."""
+    'adversarial' (puts the true next token last). Exercises every acceptance length. It takes the real
+    drafter's fixed-shape call (per-row ctx_len and n_valid tensors) and reads them on the host: eager only."""
     target_layer_ids = (0, 2)
 
     def __init__(self, kind, vocab, reference=None, block_size=5, seed=0):
         self.kind, self.vocab, self.ref, self.block_size = kind, vocab, reference, block_size
         self.g = torch.Generator().manual_seed(seed)
         self.calls = []
+        self.ctx_cache, self.max_ctx_len = torch.zeros(1, 1, 1), 0     # [.., .., batch]: one row
 
     def setup_cache(self, b, s):
+        self.max_ctx_len = s
+
+    def append_context(self, ctx_feats, ctx_len, row=0):
         pass
 
-    def draft_logits(self, target, last_token, ctx_feats, ctx_len):
-        start = ctx_len + ctx_feats.shape[1]          # position of last_token
-        self.calls.append((start, ctx_feats.shape[1]))
+    def draft_logits(self, target, last_token, ctx_feats, ctx_len, n_valid):
+        start = int(ctx_len[0] + n_valid[0])          # position of last_token
+        self.calls.append((start, int(n_valid[0])))
         L = self.block_size - 1
         logits = torch.randn(1, L, self.vocab, generator=self.g)
         if self.kind in ("perfect", "adversarial") and self.ref is not None:
@@ -148,48 +153,84 @@ def real_drafter(target):
     return d
 
 
-@pytest.mark.parametrize("budget,chain", [(0, False), (1, False), (4, False), (16, False), (70, False), (0, True)])
-def test_static_step_equals_eager(target, real_drafter, budget, chain):
-    """The fixed-shape, sync-free step (what --cuda-graph captures) commits exactly the eager loop's tokens,
-    including budget 70 (> 64: the attention falls back to the reference path) and the chain."""
+@pytest.mark.parametrize("budget,chain", [(1, False), (4, False), (16, False), (70, False), (0, True)])
+def test_step_equals_autoregressive_with_or_without_the_clock(target, real_drafter, budget, chain):
+    """The one step, called with eager's stage clock or without it ("static": what --compile and --cuda-graph wrap),
+    commits the autoregressive tokens in the same steps; budget 70 (> 64: the attention takes the reference path)
+    and the chain included."""
     prompt = [7, 3, 9, 1, 4]
-    drafter = real_drafter if (budget or chain) else None
+    ar = G.generate(target, prompt, 30, max_seq_len=160)
     eager, static = G.Stats(), G.Stats()
-    a = G.generate(target, prompt, 30, drafter=drafter, budget=budget, chain=chain, max_seq_len=160, stats=eager)
-    b = G.generate(target, prompt, 30, drafter=drafter, budget=budget, chain=chain, max_seq_len=160, stats=static,
-                   mode="static")
-    assert a == b
-    assert eager.accept_lens == static.accept_lens
+    a = G.generate(target, prompt, 30, drafter=real_drafter, budget=budget, chain=chain, max_seq_len=160, stats=eager)
+    b = G.generate(target, prompt, 30, drafter=real_drafter, budget=budget, chain=chain, max_seq_len=160,
+                   stats=static, mode="static")
+    assert a == b == ar and eager.accept_lens == static.accept_lens
 
 
-def test_static_step_equals_eager_sampling(target, real_drafter):
-    """At temperature 1 both loops consume the same random stream only in the AR case; check validity instead:
-    the static loop's tokens are in range and the step count adds up."""
+def test_sampling_is_seeded(target, real_drafter):
+    """At temperature 1 every sample draws from the default generator, seeded per call: the same seed gives the same
+    tokens with or without the stage clock, another seed other tokens; the step count adds up."""
+    kw = dict(drafter=real_drafter, budget=8, temperature=1.0, max_seq_len=96)
     st = G.Stats()
-    out = G.generate(target, [1, 2, 3], 20, drafter=real_drafter, budget=8, temperature=1.0, max_seq_len=96,
-                     stats=st, mode="static")
+    out = G.generate(target, [1, 2, 3], 20, stats=st, mode="static", **kw)
     assert len(out) == 20 and all(0 <= t < 96 for t in out) and sum(st.accept_lens) + 1 >= 20
+    assert G.generate(target, [1, 2, 3], 20, **kw) == out
+    assert G.generate(target, [1, 2, 3], 20, seed=1, **kw) != out
 
 
-def test_static_runners_are_reused_then_cleared(target, real_drafter):
-    """One runner per shape and setting, reused by the next call with the same ones; clear() drops them all (and
-    a cleared cache still decodes the same tokens)."""
-    G.StaticStep.clear()
-    kw = dict(drafter=real_drafter, budget=4, max_seq_len=96, mode="static")
+def test_stage_clock_syncs_only_in_eager_mode(target, real_drafter, monkeypatch):
+    """Eager mode times each stage, so the step's hook syncs the device after draft, tree, verify and commit; every
+    other mode passes no hook, and nothing inside the step waits for the device (the loop's one lap per step is
+    after the step's host read, which waits anyway). Counted on a clock that believes it runs on CUDA."""
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+    init = G._Clock.__init__
+
+    def cuda_clock(self, device, stats):
+        init(self, device, stats)
+        self.cuda = True
+    monkeypatch.setattr(G._Clock, "__init__", cuda_clock)
+    for mode, per_step in (("eager", 4), ("static", 1), ("compile", 1)):
+        syncs.clear()
+        st = G.Stats()
+        G.generate(target, [7, 3, 9, 1, 4], 12, drafter=real_drafter, budget=8, max_seq_len=96, stats=st, mode=mode)
+        assert len(syncs) == 2 + per_step * len(st.accept_lens), mode        # + prefill and the final lap
+        assert all(v > 0 for v in st.stage_s.values()) if mode == "eager" else st.stage_s["draft"] == 0
+
+
+def test_show_tree_reads_each_steps_tree_and_path(target, real_drafter):
+    """--show-tree reads the step's tree and accepted path after the step: the paths, root first, laid end to end
+    spell the output (each step's root is the token the step before committed last)."""
+    seen = []
+    st = G.Stats()
+    out = G.generate(target, [2, 7, 1], 20, drafter=real_drafter, budget=8, max_seq_len=96, stats=st,
+                     show_tree=lambda tr, path: seen.append((tr, path)))
+    assert len(seen) == len(st.accept_lens) and all(tr.tokens.shape == (9,) for tr, _ in seen)
+    assert [len(path) for _, path in seen] == st.accept_lens
+    spelled = [t for tr, path in seen for t in tr.tokens[path].tolist()]
+    n = min(len(spelled), len(out))                   # the last step's bonus roots no step; a cut may end it
+    assert spelled[:n] == out[:n] and n >= len(out) - 1
+
+
+def test_steps_are_reused_then_cleared(target, real_drafter):
+    """One Step per shape and setting, reused by the next call with the same ones; clearing Step.cache drops them
+    all (and a cleared cache still decodes the same tokens)."""
+    G.Step.cache.clear()
+    steps = lambda: list(G.Step.cache.values())
+    kw = dict(drafter=real_drafter, budget=4, max_seq_len=96)
     a = G.generate(target, [1, 2, 3], 8, **kw)
-    (first,) = G.StaticStep.runners()
-    assert G.generate(target, [1, 2, 3], 8, **kw) == a and G.StaticStep.runners() == [first]
+    (first,) = steps()
+    assert G.generate(target, [1, 2, 3], 8, **kw) == a and steps() == [first]
     G.generate(target, [1, 2, 3], 8, **dict(kw, budget=2))
-    assert len(G.StaticStep.runners()) == 2 and G.StaticStep.runners()[0] is first
-    G.StaticStep.clear()
-    assert G.StaticStep.runners() == []
-    assert G.generate(target, [1, 2, 3], 8, **kw) == a and G.StaticStep.runners()[0] is not first
+    assert len(steps()) == 2 and steps()[0] is first
+    G.Step.cache.clear()
+    assert G.generate(target, [1, 2, 3], 8, **kw) == a and steps()[0] is not first
 
 
 def test_no_host_sync_in_step_functions():
     import inspect
     import verify as V
-    for fn in (G.StaticStep._spec_step, G.StaticStep._ar_step, V.verify_inputs, V.sample, V.accept, V.commit_kv,
+    for fn in (G.Step.spec, G.Step.ar, V.verify_inputs, V.sample, V.accept, V.commit_kv,
                T.build_tree_batched, T.chain_tree_batched):
         src = inspect.getsource(fn)
         for bad in (".item()", ".tolist()", ".cpu()", "int(", ".numpy()"):
@@ -220,7 +261,7 @@ def test_greedy_with_cache_equals_recompute(target):
 def test_compiled_step_equals_eager(target, real_drafter):
     """--compile (torch.compile of the fixed-shape step; on a GPU it is also what --cuda-graph --compile
     captures) commits the eager loop's tokens: the step has no host sync or data-dependent Python branch. A second
-    budget in the same process recompiles the same step for new shapes (a dynamic-shape recompile crashed here)."""
+    budget in the same process recompiles the same step for its own fixed shapes (dynamic=False)."""
     prompt = [7, 3, 9, 1, 4]
     for drafter, budget in ((None, 0), (real_drafter, 8), (real_drafter, 3)):
         eager, compiled = G.Stats(), G.Stats()
@@ -233,16 +274,13 @@ def test_compiled_step_equals_eager(target, real_drafter):
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 
-@pytest.mark.skipif(TORCH_VERSION < (2, 13), reason="emulate_precision_casts made inductor's CPU code round like eager "
-                    "with torch 2.13 (CI's pin: bit for bit) but not with torch 2.11 on the H200 host's CPU (0.76% of "
-                    "the largest logit, as without it); test_gpu checks the GPU path, which 2.11 does honour")
+@pytest.mark.skipif(TORCH_VERSION < (2, 13), reason="before torch 2.13 inductor's CPU code ignores "
+                    "emulate_precision_casts; test_gpu checks the GPU path, which honours it")
 def test_compiled_bf16_forward_rounds_like_eager():
     """In bf16 torch.compile must round where eager rounds (generate.COMPILE_OPTIONS): inductor otherwise keeps fused
-    intermediates in fp32, a slightly different target (here 0.9% of the largest logit, 95% of argmaxes), and the
-    bundled drafter, distilled against the eager one, drafts worse for it (2026-11-30: code prompts on the H200,
-    graph+compile accepted 3.31 tokens a step against graph's 4.67; 4.65 with the option). Bundled target, bf16, a
-    code prompt: the compiled forward's logits match eager's (bit for bit on the development CPU, torch 2.13; the
-    bound leaves room for another CPU's summation order)."""
+    intermediates in fp32, a slightly different target, and the bundled drafter, distilled against the eager one,
+    drafts worse for it. Bundled target, bf16, a code prompt: the compiled forward's logits match eager's (the bound
+    leaves room for another CPU's summation order)."""
     import bench
     target = G.load_target(G.BUNDLED_TARGET, torch.device("cpu"), torch.bfloat16, progress=False)
     prompt = bench.encode_prompts(bench.load_prompts(bench.PROMPTS_FILE, 1), G.BUNDLED_TARGET,
@@ -265,8 +303,8 @@ def test_compile_options_this_torch_lacks_are_dropped_with_a_warning(monkeypatch
 
 
 def test_cuda_graph_refuses_reference_kernels(target, monkeypatch):
-    """--cuda-graph --no-triton is refused by name: the reference MoE reads its expert ids on the host (it used to
-    fail inside the capture with a CUDA error, H200, 2026-11-30)."""
+    """--cuda-graph --no-triton is refused by name: the reference MoE reads its expert ids on the host, which a
+    capture cannot do (it would fail inside the capture with a CUDA error)."""
     import kernels
     monkeypatch.setattr(kernels, "ENABLED", False)
     with pytest.raises(ValueError, match="--no-triton"):

@@ -1,12 +1,15 @@
-"""GPU-only checks (run on an H200; CI has no GPU, so these skip there): CUDA-graph replay == eager over
->= 100 DDTree steps with changing trees for budgets 4..64, with the Triton kernels in the loop; the compiled
-step captured as a graph (graph+compile) == eager.
+"""GPU-only checks (run on an H200; CI has no GPU, so these skip there): the model's own arguments fit every Triton
+kernel (a decode step calls each one); CUDA-graph replay == eager over >= 100 DDTree steps with changing trees for
+budgets 4..64, with the Triton kernels in the loop; the compiled step captured as a graph (graph+compile) == eager.
+The kernels themselves against their references: tests/test_kernels.py (it runs them directly on a GPU).
 Run: python -m pytest -q tests/test_gpu.py"""
 import pytest
 import torch
 
+import checkpoint as C
 import draft as D
 import generate as G
+import kernels
 import model as M
 import tiny
 
@@ -23,7 +26,7 @@ def _pair(tmp_path, dtype):
     try:
         with torch.device("cuda"):
             target = M.Transformer(M.ModelArgs.from_config(tmp_path))
-        M.load_checkpoint(target, str(tmp_path))
+        C.load_checkpoint(target, str(tmp_path))
         d = D.DFlashDrafter(D.DraftArgs.from_config(D.tiny_draft_config(ref.args, head_dim=32))).cuda()   # its kernels' sizes
     finally:
         torch.set_default_dtype(torch.float32)
@@ -31,10 +34,29 @@ def _pair(tmp_path, dtype):
     return target.eval(), d.to(dtype)
 
 
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_every_kernel_runs_in_a_decode_step(tmp_path, monkeypatch, mode):
+    """Every registered kernel's fits() accepts the arguments the model, the drafter, the tree search and verify
+    really pass (bf16 INT4 target, DDTree budget 8): a few decode steps call each launcher, eager and captured. A
+    kernel whose conditions refused them would leave its op to the reference, correct and slow."""
+    target, drafter = _pair(tmp_path, torch.bfloat16)
+    calls = {}
+
+    def counted(name, run):
+        def launch(*a, **kw):
+            calls[name] = calls.get(name, 0) + 1
+            return run(*a, **kw)
+        return launch
+    for name, (fits, run) in list(kernels._KERNELS.items()):
+        monkeypatch.setitem(kernels._KERNELS, name, (fits, counted(name, run)))
+    G.generate(target, list(range(3, 40)), 24, drafter=drafter, budget=8, max_seq_len=320, mode=mode)
+    assert set(calls) == set(kernels._KERNELS), f"never called: {sorted(set(kernels._KERNELS) - set(calls))}"
+
+
 # fp32: every budget. bf16: the budgets whose verify runs the Triton attention kernel in both loops (B+1 <= 64).
-# At budget 64 the 65-row verify takes the reference attention, which the eager loop runs over the live cache
-# slice and the captured step over the whole cache: the same function, a different bf16 summation, and on
-# 2026-11-29 (H200) one near-tie flipped after ~60 steps. In fp32 the streams are identical at every budget.
+# At budget 64 the 65-row verify takes the reference attention, whose bf16 summation can differ between the two loops
+# (the live cache slice or the whole cache), enough to flip a near-tie. In fp32 the streams are identical at every
+# budget.
 @pytest.mark.parametrize("dtype,budgets", [(torch.float32, (4, 8, 16, 32, 64)), (torch.bfloat16, (4, 8, 16, 32))])
 def test_graph_replay_equals_eager(tmp_path, dtype, budgets):
     target, drafter = _pair(tmp_path, dtype)
@@ -73,10 +95,10 @@ def test_compiled_graph_equals_eager(tmp_path, budget):
 
 
 def test_compiled_bf16_keeps_acceptance():
-    """graph+compile in bf16 accepts as many tokens a step as graph does (bundled pair, two code prompts, budget 8).
-    Before generate.COMPILE_OPTIONS rounded intermediates where eager rounds, it accepted 3.31 against 4.67 (H200,
-    2026-11-30): the same tokens, drafted worse. The two loops run different glue kernels (Triton in graph, inductor's
-    in graph+compile), so their bf16 streams may still part at a near-tie; hence the mean, within 5%."""
+    """graph+compile in bf16 accepts as many tokens a step as graph does (bundled pair, two code prompts, budget 8):
+    generate.COMPILE_OPTIONS makes inductor round intermediates where eager rounds, else the compiled step commits
+    the same tokens but drafts worse. The two loops run different glue kernels (Triton in graph, inductor's in
+    graph+compile), so their bf16 streams may still part at a near-tie; hence the mean, within 5%."""
     import bench
     dev = torch.device("cuda")
     target = G.load_target(G.BUNDLED_TARGET, dev, torch.bfloat16, progress=False)

@@ -14,13 +14,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import checkpoint as C
 import model as M
 import tiny
 
 torch.set_default_dtype(torch.float32)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# kimi_k2.md §2.1, as the K2.5 checkpoint ships it (status "initialized" until compressed-tensors compresses).
+# The quantization_config as the K2.5 checkpoint ships it (status "initialized" until compressed-tensors compresses).
 KIMI_QCFG = {
     "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "initialized",
     "config_groups": {"group_0": {"targets": ["Linear"],
@@ -200,7 +201,7 @@ def test_compressed_tensors_checkpoint_loads(tmp_path, nested):
     args = M.ModelArgs.from_config(ckpt)                  # reads compressed-tensors' own quantization_config
     assert args.quant is not None and args.quant.group_size == 32 and args.nested == nested
     ours = M.Transformer(args)
-    M.load_checkpoint(ours, str(ckpt))
+    C.load_checkpoint(ours, str(ckpt))
 
     ref, deq = ct_decompressed_hf(ckpt, tmp_path / "deq")
     # the decompressed experts are on compressed-tensors' INT4 grid, not the original float weights
@@ -242,7 +243,7 @@ def test_our_writer_matches_compressed_tensors(tmp_path, dtype):
         else:
             state[name] = t
     assert n_experts == 2 * 8 * 3
-    M.save_checkpoint(state, M.k26_config(cfg), str(our_dir), n_shards=4)
+    C.save_checkpoint(state, C.k26_config(cfg), str(our_dir), n_shards=4)
 
     ours = read_all(our_dir)
     for name, t in ct.items():
@@ -255,7 +256,7 @@ def test_our_writer_matches_compressed_tensors(tmp_path, dtype):
     models = []
     for d in (ct_dir, our_dir):
         m = M.Transformer(M.ModelArgs.from_config(d))
-        M.load_checkpoint(m, str(d))
+        C.load_checkpoint(m, str(d))
         models.append(m)
     a, b = (dict(m.named_parameters()) for m in models)
     assert a.keys() == b.keys()
@@ -274,13 +275,14 @@ BIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=2048, moe_interme
            q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
            num_hidden_layers=3)
 
-# In a fresh process: build this rank's model, then load it. ru_maxrss (model.peak_rss_bytes) is inherited from
+# In a fresh process: build this rank's model, then load it. ru_maxrss (checkpoint.peak_rss_bytes) is inherited from
 # the parent across fork/vfork + exec on Linux (a child's value starts at pytest's peak), so the growth is measured
 # with the child's own high-water mark VmHWM (a fresh exec starts it afresh; reset to the current RSS before
 # loading where /proc/self/clear_refs allows).
 _MEASURE = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
+import checkpoint as C
 import model as M
 ws, path = int(sys.argv[2]), sys.argv[3]
 def status(key):
@@ -294,10 +296,10 @@ try:
     open("/proc/self/clear_refs", "w").write("5")       # VmHWM := current RSS (best effort)
 except OSError:
     pass
-before, peak_before, hwm_before = status("VmRSS"), M.peak_rss_bytes(), status("VmHWM")
-stats = M.load_checkpoint(m, path)
+before, peak_before, hwm_before = status("VmRSS"), C.peak_rss_bytes(), status("VmHWM")
+stats = C.load_checkpoint(m, path)
 print(json.dumps(dict(ws=ws, before=before, hwm_before=hwm_before, hwm=status("VmHWM"), peak_before=peak_before,
-                      peak=M.peak_rss_bytes(), stats_peak=stats["peak_rss_bytes"], bytes_read=stats["bytes_read"],
+                      peak=C.peak_rss_bytes(), stats_peak=stats["peak_rss_bytes"], bytes_read=stats["bytes_read"],
                       param_bytes=param_bytes)))
 """
 
@@ -331,7 +333,7 @@ def test_load_peak_host_memory(big_ckpt):
         # growth = the parameters' own pages (torch.empty leaves them untouched until loaded) + at most one
         # shard's mapped pages and one tensor's slice temporaries; never a second copy of the model
         assert growth <= 1.5 * s["param_bytes"], (s, total)
-        # model.peak_rss_bytes() agrees whenever the parent's peak does not mask it (see _MEASURE)
+        # checkpoint.peak_rss_bytes() agrees whenever the parent's peak does not mask it (see _MEASURE)
         assert s["peak"] >= s["hwm"] - 4e6 and s["stats_peak"] == s["peak"], s
         if s["peak_before"] <= s["before"] + 4e6:
             assert s["peak"] - s["before"] <= 1.5 * s["param_bytes"], s
@@ -351,14 +353,14 @@ def test_tp2_reads_half(big_ckpt):
                     t = f.get_tensor(n)
                     skipped += t.numel() * t.element_size()
     full_model = M.Transformer(M.ModelArgs.from_config(big_ckpt))
-    full = M.load_checkpoint(full_model, str(big_ckpt))["bytes_read"]
+    full = C.load_checkpoint(full_model, str(big_ckpt))["bytes_read"]
     assert full == index["metadata"]["total_size"] - skipped          # every text tensor read once, whole
     parts = []
     try:
         for r in (0, 1):
             M.set_tp(2, r)
             m = M.Transformer(M.ModelArgs.from_config(big_ckpt))
-            got = M.load_checkpoint(m, str(big_ckpt))["bytes_read"]
+            got = C.load_checkpoint(m, str(big_ckpt))["bytes_read"]
             assert got == sum(p.numel() * p.element_size() for p in m.parameters())
             replicated = sum(p.numel() * p.element_size() for p in m.parameters()
                              if getattr(p, "shard_dim", 0) is None)
@@ -386,7 +388,7 @@ def test_tp2_reads_half(big_ckpt):
 
 def _load(path):
     m = M.Transformer(M.ModelArgs.from_config(path))
-    M.load_checkpoint(m, str(path))
+    C.load_checkpoint(m, str(path))
 
 
 def _rewrite(path, suffix, change):
@@ -432,7 +434,7 @@ TENSOR_CASES = [
 @pytest.mark.parametrize("suffix,change,pattern", TENSOR_CASES, ids=[c[0] for c in TENSOR_CASES])
 def test_malformed_tensor(k26, suffix, change, pattern):
     name, fname, backup = _rewrite(k26, suffix, change)
-    with pytest.raises(M.CheckpointError) as e:
+    with pytest.raises(C.CheckpointError) as e:
         _load(k26)
     msg = str(e.value)
     assert name in msg and fname in msg and re.search(pattern, msg), msg
@@ -456,7 +458,7 @@ def test_extra_and_mismatched_expert_tensors(k26):
     ]
     for suffix, change, word in cases:
         name, fname, backup = _rewrite(k26, suffix, change)
-        with pytest.raises(M.CheckpointError) as e:
+        with pytest.raises(C.CheckpointError) as e:
             _load(k26)
         msg = str(e.value)
         assert word in msg and fname in msg and ".experts." in msg, msg
@@ -472,7 +474,7 @@ def test_quantized_tensors_without_quantization_config(k26):
     cfg.pop("quantization_config")
     cfg["text_config"].pop("quantization_config")
     json.dump(cfg, open(k26 / "config.json", "w"))
-    with pytest.raises(M.CheckpointError, match=r"experts\.\d+\.\w+_proj\.weight_\w+ in model-.*no quantization_config"):
+    with pytest.raises(C.CheckpointError, match=r"experts\.\d+\.\w+_proj\.weight_\w+ in model-.*no quantization_config"):
         _load(k26)
 
 

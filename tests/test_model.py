@@ -1,10 +1,14 @@
-"""model.py against transformers' DeepseekV3 and against itself (absorbed == naive, cache == no cache).
+"""model.py against transformers' DeepseekV3 and against itself (absorbed == naive, cache == no cache); its ops
+with a fast path keep the names and signatures kernels.py registers under and all go through the one switch;
+checkpoint.py's loader and config errors (a bad tensor, a NaN weight, a missing directory are named).
 Run: python -m pytest -q tests/test_model.py"""
 import json
 
 import pytest
 import torch
 
+import checkpoint as C
+import kernels
 import model as M
 import tiny
 
@@ -32,7 +36,7 @@ def test_parity_with_transformers(tmp_path, over):
     saved = json.load(open(tmp_path / "config.json"))
     assert "rope_parameters" in saved          # transformers 5 spelling; our reader must accept it
     ours = M.Transformer(M.ModelArgs.from_config(tmp_path))
-    M.load_checkpoint(ours, str(tmp_path))
+    C.load_checkpoint(ours, str(tmp_path))
     tokens = torch.randint(0, cfg["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(tokens).logits
@@ -45,7 +49,7 @@ def test_yarn_softmax_scale_and_band():
         type="yarn", factor=64.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
         mscale_all_dim=1.0)))
     mla = M.MLA(args)
-    assert abs(mla.softmax_scale - 0.144680) < 1e-5           # kimi_k2.md §0, K2.6 numbers
+    assert abs(mla.softmax_scale - 0.144680) < 1e-5           # K2.6: 192-dim heads, YaRN factor 64
     inv, af = M.rope_inv_freq(args)
     base = 1.0 / (50000.0 ** (torch.arange(0, 64, 2).float() / 64))
     assert torch.equal(inv[:8], base[:8]) and torch.allclose(inv[20:], base[20:] / 64) and af == 1.0
@@ -98,9 +102,8 @@ def test_tree_mask_and_positions_match_branches():
     assert rel_err(tree[:, [0, 4, 5]], seq_b) <= 1e-4
     # the mask's rows packed into int64 words (what the GPU tree search hands over) give the same logits, on the
     # absorbed path (taken as is) and on the naive one (unpacked)
-    import kernels
-    packed = kernels.tree_mask_bits(mask.view(1, 6, 6))                                          # [1, 6] int64
-    assert torch.equal(kernels.tree_mask_unpack(packed), mask.view(1, 6, 6))
+    packed = M.tree_mask_bits(mask.view(1, 6, 6))                                               # [1, 6] int64
+    assert torch.equal(M.tree_mask_unpack(packed), mask.view(1, 6, 6))
     with torch.no_grad():
         for absorb in (True, False):
             want = model(ids, start_pos=7, positions=7 + depth.view(1, -1), tree_mask=mask.view(1, 6, 6), absorb=absorb)
@@ -124,55 +127,69 @@ def test_hidden_layers_are_layer_outputs():
     assert torch.allclose(logits, model(tokens), atol=1e-6)
 
 
-GPU_KERNELS = ("rms_norm", "add_rms_norm", "rope", "silu_mul", "router_topk", "mla_latent_to_cache",
-               "mla_tree_attention")
+# The ops with a fast path, as the switch in kernels.py knows them: name -> the reference's parameters
+CONTRACT = {
+    "rms_norm": "x weight eps", "add_rms_norm": "x r weight eps", "rope": "x cos sin interleaved",
+    "silu_mul": "g u", "mla_latent_to_cache": "kv weight eps cos sin cache slots",
+    "mla_tree_attention": "q_lat q_pe cache prefix_len tree_mask softmax_scale out",
+    "router_topk": "x weight bias top_k norm scale n_group topk_group",
+    "int4_experts": "x topk_ids topk_weights w13_packed w13_scale w2_packed w2_scale group_size out shared",
+}
 
 
-def fake_gpu_kernels(monkeypatch, checks=None) -> list:
-    """Pretend the Triton kernels run here (kernels.use_triton -> True): each of GPU_KERNELS becomes its *_ref
-    twin, after checks[name](*args) if given; returns the list of kernel names as they are called."""
-    import kernels
+def test_fast_ops_keep_the_contract():
+    """Each op with a Triton twin is a plain function here, under its name, with the signature kernels.py
+    registers the kernel under; op.ref is the PyTorch reference."""
+    import inspect
+    for name, params in CONTRACT.items():
+        op = getattr(M, name)
+        assert op.__name__ == name and callable(op.ref), name
+        assert " ".join(inspect.signature(op.ref).parameters) == params, name
+
+
+def fake_kernels(monkeypatch, checks=None) -> list:
+    """Register a stand-in "kernel" for every op of CONTRACT that always fits: it records its name, runs
+    checks[name](*args) if given, then the reference. Returns the list of names as they are called."""
     calls = []
-    def fake(name):
+    monkeypatch.setattr(kernels, "_KERNELS", {})
+    monkeypatch.setattr(kernels, "ENABLED", True)
+
+    def stand_in(name):
         def run(*a, **k):
             calls.append(name)
             if checks and name in checks:
                 checks[name](*a, **k)
-            return getattr(kernels, name + "_ref")(*a, **k)
+            return getattr(M, name).ref(*a, **k)
         return run
-    monkeypatch.setattr(kernels, "use_triton", lambda device: True)
-    for name in GPU_KERNELS:
-        monkeypatch.setattr(kernels, name, fake(name))
+    for name in CONTRACT:
+        kernels.register(name, fits=lambda *a, **k: True)(stand_in(name))
     return calls
 
 
-def test_glue_kernels_stay_out_of_autograd_and_autocast(monkeypatch):
-    """The Triton glue kernels have no backward and want one dtype: with them "available" (faked), a forward under
-    autograd (train.py) or autocast must use the PyTorch twins; they run under no_grad."""
-    model = tiny.random_model(tiny.text_config(), seed=5)
-    tokens = torch.randint(0, 96, (2, 7))
-    model(tokens).float().pow(2).mean().backward()                                    # reference gradients
-    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-
-    calls = fake_gpu_kernels(monkeypatch)
-    model(tokens).float().pow(2).mean().backward()
-    assert calls == []
-    assert want.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
-    for n, p in model.named_parameters():
-        if n in want:
-            assert torch.equal(p.grad, want[n]), n
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        model(tokens)
-    assert calls == []
+def test_every_op_goes_through_the_switch(tmp_path, monkeypatch):
+    """The layers call each op by its plain name, so one switch (kernels.ENABLED and the kernel's fits) decides
+    for all of them: a cached INT4 forward reaches every op of the contract, and gives the same logits."""
+    ref = tiny.write_k26(tmp_path, seed=9)
+    model = M.Transformer(M.ModelArgs.from_config(tmp_path))
+    C.load_checkpoint(model, str(tmp_path))
+    tokens = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        model(tokens)
-    assert {"rms_norm", "rope", "silu_mul", "router_topk"} <= set(calls)
+        model.setup_cache(2, 16)
+        want = model(tokens, start_pos=0)
+        calls = fake_kernels(monkeypatch)
+        got = model(tokens, start_pos=0)
+    assert set(calls) == set(CONTRACT), set(CONTRACT) - set(calls)
+    assert torch.equal(got, want) and rel_err(got, ref(tokens)) <= 1e-4
+    monkeypatch.setattr(kernels, "ENABLED", False)     # --no-triton: the references only
+    calls.clear()
+    with torch.no_grad():
+        assert torch.equal(model(tokens, start_pos=0), want)
+    assert calls == []
 
 
 def test_cached_batch_hands_the_cache_kernel_its_contract(monkeypatch):
     """A batch of rows at an int start_pos (train.py's greedy rollouts) gives the cache-write kernel contiguous
-    int64 slots and one dtype, as its wrapper asserts on a GPU (slots were an expand()ed view, refused there)."""
+    int64 slots and one dtype, as its launcher requires on a GPU."""
     def latent_to_cache(kv, weight, eps, cos, sin, cache, slots):
         assert slots.dtype == torch.int64 and slots.shape == kv.shape[:2] and slots.is_contiguous()
         assert kv.dtype == weight.dtype == cache.dtype == cos.dtype and cos.is_contiguous() and sin.is_contiguous()
@@ -181,11 +198,33 @@ def test_cached_batch_hands_the_cache_kernel_its_contract(monkeypatch):
     tokens = torch.randint(0, 96, (2, 6))
     with torch.no_grad():
         want = [model(tokens, start_pos=0, last_only=True), model(tokens[:, :1], start_pos=6)]
-        calls = fake_gpu_kernels(monkeypatch, dict(mla_latent_to_cache=latent_to_cache))
+        calls = fake_kernels(monkeypatch, dict(mla_latent_to_cache=latent_to_cache))
         got = [model(tokens, start_pos=0, last_only=True), model(tokens[:, :1], start_pos=6)]
     assert calls.count("mla_latent_to_cache") == 2 * model.args.num_hidden_layers     # each call, each layer
     for g, w in zip(got, want):
         assert torch.allclose(g, w, atol=1e-5)
+
+
+def test_int4_experts_reference_bounds_its_memory(monkeypatch):
+    """The INT4 reference dequantizes only the used experts, a group at a time: one expert per group (K2.6 size)
+    and all of them at once give the float experts' result on the dequantized weights."""
+    g = torch.Generator().manual_seed(0)
+    E, D, I, T, k = 6, 64, 32, 5, 2
+    q13, q2 = torch.randint(-8, 8, (E, 2 * I, D), generator=g), torch.randint(-8, 8, (E, D, I), generator=g)
+    s13, s2 = torch.rand(E, 2 * I, D // 32, generator=g) / 8, torch.rand(E, D, I // 32, generator=g) / 8
+    w13p, w2p = C.pack_int4(q13.to(torch.int8)), C.pack_int4(q2.to(torch.int8))
+    assert torch.equal(M.unpack_int4(w13p), q13.to(torch.int8))
+    x = torch.randn(T, D, generator=g)
+    ids = torch.tensor([[0, 3], [3, 5], [0, 5], [3, 0], [5, 3]])                     # experts 1, 2, 4 unused
+    w = torch.rand(T, k, generator=g)
+    want = M.float_experts(x, ids, w, M.dequant_int4(w13p, s13), M.dequant_int4(w2p, s2))
+    shared = torch.randn(T, D, generator=g)
+    whole = M.int4_experts.ref(x, ids, w, w13p, s13, w2p, s2, 32, shared=shared)
+    monkeypatch.setattr(M, "INT4_REF_GROUP_BYTES", 1)
+    out = torch.empty(T, D)
+    one_by_one = M.int4_experts.ref(x, ids, w, w13p, s13, w2p, s2, 32, out=out)
+    assert one_by_one is out and torch.allclose(one_by_one, want, atol=1e-5)
+    assert torch.allclose(whole, want + shared, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +239,7 @@ def test_k26_int4_roundtrip(tmp_path):
     assert args.nested and args.quant is not None and args.quant.group_size == 32
     model = M.Transformer(args)
     assert model.layers[1].mlp.experts.w13_packed.dtype == torch.int32     # packed in memory, never dequantized
-    M.load_checkpoint(model, str(tmp_path))
+    C.load_checkpoint(model, str(tmp_path))
     tokens = torch.randint(0, 96, (1, 20))
     with torch.no_grad():
         assert rel_err(model(tokens), ref(tokens)) <= 1e-4
@@ -215,7 +254,7 @@ def test_router_weight_is_fp32_in_a_bf16_model(tmp_path):
         model = M.Transformer(M.ModelArgs.from_config(tmp_path))
     finally:
         torch.set_default_dtype(torch.float32)
-    M.load_checkpoint(model, str(tmp_path))
+    C.load_checkpoint(model, str(tmp_path))
     gate = model.layers[1].mlp.gate
     assert gate.weight.dtype == torch.float32 and model.layers[1].self_attn.o_proj.weight.dtype == torch.bfloat16
     from safetensors import safe_open
@@ -244,7 +283,7 @@ def test_loader_errors(tmp_path):
 
     def load():
         model = M.Transformer(M.ModelArgs.from_config(tmp_path))
-        M.load_checkpoint(model, str(tmp_path))
+        C.load_checkpoint(model, str(tmp_path))
 
     pick = lambda k: lambda wm: next(n for n in wm if n.endswith(k))
     cases = [
@@ -261,7 +300,7 @@ def test_loader_errors(tmp_path):
         backup = dict(tensors)
         change(tensors, name)
         save(tensors)
-        with pytest.raises(M.CheckpointError) as e:
+        with pytest.raises(C.CheckpointError) as e:
             load()
         msg = str(e.value)
         assert word in msg and suffix.split(".")[-2] in msg, msg
@@ -275,7 +314,7 @@ def test_loader_errors(tmp_path):
     save(tensors)
     del index["weight_map"][name]
     json.dump(index, open(tmp_path / "model.safetensors.index.json", "w"))
-    with pytest.raises(M.CheckpointError, match=r"missing tensors \['layers.2.mlp.gate.weight'\]"):
+    with pytest.raises(C.CheckpointError, match=r"missing tensors \['layers.2.mlp.gate.weight'\]"):
         load()
 
 
@@ -289,7 +328,7 @@ def test_config_errors(tmp_path):
     del cfg["kv_lora_rank"]
     with pytest.raises(ValueError, match="kv_lora_rank"):
         M.ModelArgs.from_config(cfg)
-    bad = M.k26_config(tiny.text_config())
+    bad = C.k26_config(tiny.text_config())
     bad["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
     bad["text_config"]["quantization_config"] = bad["quantization_config"]
     with pytest.raises(ValueError, match="symmetric"):
@@ -304,8 +343,35 @@ def test_missing_shard_named(tmp_path):
     victim = sorted(tmp_path.glob("model-*.safetensors"))[1]
     victim.unlink()
     model = M.Transformer(M.ModelArgs.from_config(tmp_path))
-    with pytest.raises(M.CheckpointError, match=victim.name):
-        M.load_checkpoint(model, str(tmp_path))
+    with pytest.raises(C.CheckpointError, match=victim.name):
+        C.load_checkpoint(model, str(tmp_path))
+
+
+def test_nonfinite_weights_named_at_load(tmp_path):
+    """A NaN or inf in any floating tensor (a float weight, an INT4 expert's scale) is an error naming the tensor
+    and its shard, unless the check is turned off."""
+    tiny.write_k26(tmp_path, seed=10)
+    for suffix, value in [("layers.0.self_attn.kv_b_proj.weight", float("nan")),
+                          ("layers.2.mlp.experts.5.down_proj.weight_scale", float("inf"))]:
+        name, fname, tensors, save = _corrupt(tmp_path, lambda wm: next(n for n in wm if n.endswith(suffix)))
+        backup = tensors[name].clone()
+        tensors[name].view(-1)[3] = value
+        save(tensors)
+        model = M.Transformer(M.ModelArgs.from_config(tmp_path))
+        with pytest.raises(C.CheckpointError, match=f"tensor {name} in {fname} holds NaN or inf"):
+            C.load_checkpoint(model, str(tmp_path))
+        C.load_checkpoint(model, str(tmp_path), check_finite=False)      # loads as it is when asked
+        tensors[name] = backup
+        save(tensors)
+    C.load_checkpoint(model, str(tmp_path))
+
+
+def test_missing_checkpoint_directory_named(tmp_path):
+    """A checkpoint path that does not exist is named as such before anything tries to read from it."""
+    missing = str(tmp_path / "no" / "such" / "ckpt")
+    for read in (lambda: M.ModelArgs.from_config(missing), lambda: C.load_checkpoint(None, missing)):
+        with pytest.raises(FileNotFoundError, match=f"^checkpoint directory not found: {missing}$"):
+            read()
 
 
 def test_debug_reports_first_nonfinite_layer():

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import checkpoint as C
 import draft as Dr
 import model as M
 import tiny
@@ -36,7 +37,7 @@ def _worker(r, ws, port, ckpt, draft_dir, out_dir, tokens):
         from test_generate import StubDrafter
         torch.set_default_dtype(torch.float32)
         model = M.Transformer(M.ModelArgs.from_config(ckpt))
-        stats = M.load_checkpoint(model, ckpt)
+        stats = C.load_checkpoint(model, ckpt)
         with torch.no_grad():
             logits = model(tokens)
         drafter = StubDrafter("random", model.args.vocab_size, seed=4)
@@ -127,7 +128,7 @@ def test_divisibility_checked_up_front():
     with pytest.raises(ValueError, match="num_attention_heads=4"):
         M.check_tp_divisibility(args, 8)
     with pytest.raises(ValueError, match="moe_intermediate_size=32"):
-        M.check_tp_divisibility(M.ModelArgs.from_config(M.k26_config(tiny.text_config())), 2)
+        M.check_tp_divisibility(M.ModelArgs.from_config(C.k26_config(tiny.text_config())), 2)
     dcfg = Dr.tiny_draft_config(args)                    # 4 q heads, 2 kv heads, intermediate 128
     dargs = Dr.DraftArgs.from_config(dcfg)
     with pytest.raises(ValueError, match="does not divide drafter num_key_value_heads=2"):

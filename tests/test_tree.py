@@ -1,5 +1,5 @@
 """
-Tests for tree.py: the tensor DDTree builder must equal the heap reference bit for bit.
+Tests for tree.py: the fixed-shape DDTree builder (ddtree_search) must equal the paper's heap bit for bit.
 
     python -m pytest -q tests/test_tree.py
 """
@@ -14,19 +14,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tree as T  # noqa: E402
-from tree import (Tree, build_tree, build_tree_batched, build_tree_ref, chain_tree,  # noqa: E402
+from tree import (Tree, build_tree, build_tree_batched, build_tree_heap, chain_tree,  # noqa: E402
                   chain_tree_batched, format_tree)
 
-
-
-
-
-FIELDS = ["tokens", "parents", "depths", "scores", "valid", "ancestor_mask"]
+FIELDS = ["tokens", "parents", "depths", "scores", "valid", "ancestor_mask", "mask_bits"]
 
 
 def assert_same_tree(a: Tree, b: Tree, msg: str = "") -> None:
     for f in FIELDS:
-        x, y = getattr(a, f).cpu(), getattr(b, f).cpu()
+        x, y = getattr(a, f), getattr(b, f)
+        if f == "mask_bits" and (x is None or y is None):   # only trees of more than 64 nodes go without
+            assert x is None and y is None and a.tokens.shape[-1] > 64, f"mask_bits {x} vs {y} {msg}"
+            continue
+        x, y = x.cpu(), y.cpu()
         assert x.dtype == y.dtype and x.shape == y.shape, f"{f}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)} {msg}"
         if f == "scores":  # bit-identical, -inf padding included
             x, y = x.view(torch.int32), y.view(torch.int32)
@@ -63,13 +63,15 @@ def check_invariants(t: Tree, L: int, B: int) -> None:
         else:  # padding conventions
             assert p == -1 and t.depths[i] == 0 and t.tokens[i] == t.tokens[0]
             assert t.scores[i] == float("-inf")
-    # ancestor mask == walk up the parent chain
+    # ancestor mask == walk up the parent chain; mask_bits == its rows packed
     for i in range(N):
         row, j = torch.zeros(N, dtype=torch.bool), i
         while j >= 0:
             row[j] = True
             j = int(t.parents[j])
         assert torch.equal(t.ancestor_mask[i], row), i
+        if N <= 64:
+            assert int(t.mask_bits[i]) == sum(1 << k for k in range(N) if row[k]) - (2**64 if row[63:].any() else 0)
 
 
 # -----------------------------------------------------------------------------
@@ -78,7 +80,7 @@ def check_invariants(t: Tree, L: int, B: int) -> None:
 def test_rank_tokens_tie_order():
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 4, (5, 37), generator=g).float()  # [L, V], many ties
-    lp, tok = T._rank_tokens(x, 37)
+    lp, tok = T.rank_tokens(x, 37)
     logp = torch.log_softmax(x, -1)
     for d in range(5):
         want = sorted(range(37), key=lambda v: (-logp[d, v].item(), v))
@@ -94,7 +96,7 @@ def test_ref_matches_bruteforce():
         B = int(torch.randint(1, 12, (1,), generator=g))
         x = random_logits(g, L, V, ["gauss", "ints", "uniform"][trial % 3])
         K = min(B, V)
-        lp, tok = T._rank_tokens(x, K)
+        lp, tok = T.rank_tokens(x, K)
         lp = lp.numpy()
         prefixes = []
         for d in range(1, L + 1):
@@ -104,7 +106,7 @@ def test_ref_matches_bruteforce():
                     s = s + lp[i, r]
                 prefixes.append((-s, ranks))
         prefixes.sort()
-        ref = build_tree_ref(x, 7, B)
+        ref = build_tree_heap(x, 7, B)
         n = min(B, len(prefixes))
         assert int(ref.valid.sum()) == n + 1
         for node, (neg, ranks) in enumerate(prefixes[:n], start=1):
@@ -116,7 +118,7 @@ def test_hand_built():
     # depth 1: q(2)=.6 q(0)=.3 q(1)=.1   depth 2: q(1)=.7 q(0)=.2 q(2)=.1
     # best prefixes: (2) .6, (2,1) .42, (0) .3, (0,1) .21, then (2,0) .12 is cut by B=4
     x = torch.tensor([[0.3, 0.1, 0.6], [0.2, 0.7, 0.1]]).log()
-    for t in (build_tree(x, 9, 4), build_tree_ref(x, 9, 4)):
+    for t in (build_tree(x, 9, 4), build_tree_heap(x, 9, 4)):
         assert t.tokens.tolist() == [9, 2, 1, 0, 1]
         assert t.parents.tolist() == [-1, 0, 1, 0, 3]
         assert t.depths.tolist() == [0, 1, 2, 1, 2]
@@ -133,7 +135,7 @@ def test_hand_built_cross_depth_tie():
     # depth 1 uniform over 2 tokens, depth 2 certain (logp 0 for token 0, -inf for token 1):
     # (0), (1), (0,0), (1,0) all score log .5 exactly; the tuple order puts (0,0) before (1)
     x = torch.tensor([[0.0, 0.0], [0.0, float("-inf")]])
-    for t in (build_tree(x, 5, 4), build_tree_ref(x, 5, 4)):
+    for t in (build_tree(x, 5, 4), build_tree_heap(x, 5, 4)):
         assert t.tokens.tolist() == [5, 0, 0, 1, 0]
         assert t.parents.tolist() == [-1, 0, 1, 0, 3]
         assert t.depths.tolist() == [0, 1, 2, 1, 2]
@@ -146,7 +148,7 @@ def test_padding():
     # V=2, L=2: only 2 + 4 = 6 prefixes exist, budget 10 -> 4 padding nodes, shape stays 11
     x = torch.randn(2, 2, generator=torch.Generator().manual_seed(3))
     t = build_tree(x, 3, 10)
-    assert_same_tree(t, build_tree_ref(x, 3, 10))
+    assert_same_tree(t, build_tree_heap(x, 3, 10))
     assert t.valid.tolist() == [True] * 7 + [False] * 4
     assert t.parents[7:].tolist() == [-1] * 4 and t.depths[7:].tolist() == [0] * 4
     assert t.tokens[7:].tolist() == [3] * 4
@@ -156,14 +158,14 @@ def test_padding():
 
 def test_degenerate_sizes():
     x = torch.randn(3, 5)
-    for t in (build_tree(x, 4, 0), build_tree_ref(x, 4, 0)):  # budget 0: root only
+    for t in (build_tree(x, 4, 0), build_tree_heap(x, 4, 0)):  # budget 0: root only
         assert t.tokens.tolist() == [4] and t.ancestor_mask.tolist() == [[True]]
     empty = torch.zeros(0, 5)  # L = 0: root plus padding
-    assert_same_tree(build_tree(empty, 4, 3), build_tree_ref(empty, 4, 3))
+    assert_same_tree(build_tree(empty, 4, 3), build_tree_heap(empty, 4, 3))
     assert build_tree(empty, 4, 3).valid.tolist() == [True, False, False, False]
     one = torch.randn(4, 1)  # V = 1: a chain of the only token
     t = build_tree(one, 2, 3)
-    assert_same_tree(t, build_tree_ref(one, 2, 3))
+    assert_same_tree(t, build_tree_heap(one, 2, 3))
     assert t.parents.tolist() == [-1, 0, 1, 2] and t.tokens.tolist() == [2, 0, 0, 0]
 
 
@@ -177,7 +179,7 @@ def test_matches_ref_random(kind):
         x = random_logits(g, L, V, kind)
         root = int(torch.randint(0, V, (1,), generator=g))
         t = build_tree(x, root, B)
-        assert_same_tree(t, build_tree_ref(x, root, B), f"{kind} L={L} V={V} B={B} trial={trial}")
+        assert_same_tree(t, build_tree_heap(x, root, B), f"{kind} L={L} V={V} B={B} trial={trial}")
         if trial % 20 == 0:
             check_invariants(t, L, B)
 
@@ -191,7 +193,7 @@ def test_frontier_lex_order_regression():
     x[1, :2] = torch.tensor([0.0, -1.0])
     x[2, :8] = torch.tensor([0.0] + [-1.0] * 7)
     for B in (15, 16, 17):
-        assert_same_tree(build_tree(x, 0, B), build_tree_ref(x, 0, B), f"B={B}")
+        assert_same_tree(build_tree(x, 0, B), build_tree_heap(x, 0, B), f"B={B}")
 
 
 def test_matches_ref_exact_ties(monkeypatch):
@@ -200,7 +202,7 @@ def test_matches_ref_exact_ties(monkeypatch):
     def rank_exact(x, k):
         lp, tok = torch.sort(x.float(), dim=-1, descending=True, stable=True)
         return lp[..., :k], tok[..., :k]
-    monkeypatch.setattr(T, "_rank_tokens", rank_exact)
+    monkeypatch.setattr(T, "rank_tokens", rank_exact)
     g = torch.Generator().manual_seed(7)
     for trial in range(800):
         L, V = int(torch.randint(2, 7, (1,), generator=g)), int(torch.randint(2, 16, (1,), generator=g))
@@ -212,7 +214,7 @@ def test_matches_ref_exact_ties(monkeypatch):
             x[torch.rand(L, V, generator=g) < 0.3] = -1.0
             x[:, 0] = 0.0
             x[:, 1] = -(torch.rand(L, generator=g) < 0.5).float()
-        assert_same_tree(build_tree(x, 0, B), build_tree_ref(x, 0, B), f"L={L} V={V} B={B} trial={trial}")
+        assert_same_tree(build_tree(x, 0, B), build_tree_heap(x, 0, B), f"L={L} V={V} B={B} trial={trial}")
 
 
 def test_batched_equals_rows():
@@ -263,19 +265,27 @@ def test_format_tree():
     assert "q=0.4200" in s
     s = format_tree(build_tree(torch.randn(2, 2), 0, 10))
     assert "(+ 4 padding nodes)" in s
+    s = format_tree(build_tree(x, 3, 4), decode=words.__getitem__, accepted=[0, 1, 2], bonus=0)
+    assert s.splitlines()[-1] == "  bonus 'a'"
+    for term in ("q=", "score", "*", "bonus", "root"):     # the legend explains every mark the tree shows
+        assert term in T.LEGEND
 
 
-def test_builder_op_count(monkeypatch):
-    """On a GPU the builder is launch-bound (tiny tensors, about one kernel per aten op): it stays at six ops
-    per depth plus a constant. Counts the non-view aten ops of one B=8, L=7 build (its plan already made), with
-    the ranking as one op (a stable sort: on a GPU kernels.rank_topk ranks in two launches, on a CPU the keyed
-    top-k is more ops and far less time), so the count is the builder's own."""
+def test_mask_bits_width():
+    """Trees of up to 64 nodes carry their mask rows packed (node 63's bit is the sign bit); wider ones do not."""
+    x = torch.randn(7, 50, generator=torch.Generator().manual_seed(8))
+    t = build_tree(x, 1, 63)
+    check_invariants(t, 7, 63)
+    assert (t.mask_bits < 0).sum() == t.ancestor_mask[:, 63].sum() >= 1
+    assert build_tree(x, 1, 64).mask_bits is None and build_tree_heap(x, 1, 64).mask_bits is None
+    assert chain_tree(x, 1, 7).mask_bits.tolist() == [2 ** (i + 1) - 1 for i in range(8)]
+
+
+def test_builder_op_count():
+    """Where the search kernel does not fit, the tensor-op builder is launch-bound (tiny tensors, about one kernel
+    per aten op): it stays at six ops per depth plus a constant. Counts the non-view aten ops of one B=8, L=7
+    search from ranked drafts (its plan already made), mask packing included."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    def rank_like_gpu(draft_logits, k):
-        lp, tok = torch.sort(torch.log_softmax(draft_logits.float(), -1), dim=-1, descending=True, stable=True)
-        return lp[..., :k], tok[..., :k]
-    monkeypatch.setattr(T, "_rank_tokens", rank_like_gpu)
 
     class Count(TorchDispatchMode):
         n = 0
@@ -284,16 +294,17 @@ def test_builder_op_count(monkeypatch):
             Count.n += not func.is_view
             return func(*args, **(kwargs or {}))
 
-    x, roots = torch.randn(1, 7, 4352), torch.tensor([1])
-    T.build_tree_ops(x, roots, 8)
+    lp, tok = T.rank_tokens(torch.randn(1, 7, 4352), 8)
+    roots = torch.tensor([1])
+    T.ddtree_search.ref(lp, tok, roots, 8)
     with Count():
-        T.build_tree_ops(x, roots, 8)
-    assert Count.n <= 65, Count.n
+        T.ddtree_search.ref(lp, tok, roots, 8)
+    assert Count.n <= 67, Count.n
 
 
-def test_rank_tokens_cpu_keys_equal_stable_sort():
-    """On a CPU _rank_tokens takes a top-k of packed (logp, token) keys instead of sorting the vocabulary: the
-    same tokens in the same order, the same logp bits, through exact ties, all-equal rows and -inf."""
+def test_rank_tokens_keys_equal_stable_sort():
+    """rank_topk takes a top-k of packed (logp, token) keys instead of sorting the vocabulary: the same tokens in
+    the same order as a stable sort, the same logp bits, through exact ties, all-equal rows and -inf."""
     g = torch.Generator().manual_seed(0)
     for trial in range(120):
         L, V = int(torch.randint(1, 8, (1,), generator=g)), int(torch.randint(1, 300, (1,), generator=g))
@@ -306,15 +317,15 @@ def test_rank_tokens_cpu_keys_equal_stable_sort():
         elif trial % 4 == 3:
             x[torch.rand(2, L, V, generator=g) < 0.3] = float("-inf")
             x[..., 0] = 1.0
-        lp, tok = T._rank_tokens(x, k)
+        lp, tok = T.rank_tokens(x, k)
         want_lp, want_tok = torch.sort(torch.log_softmax(x, -1), dim=-1, descending=True, stable=True)
         assert torch.equal(tok, want_tok[..., :k]), f"trial {trial}"
         assert torch.equal(lp.view(torch.int32), want_lp[..., :k].view(torch.int32)), f"trial {trial}"
 
 
 def test_no_host_sync_in_builder():
-    for fn in (T.build_tree, T.build_tree_batched, T.build_tree_ops, T.build_tree_kernel, T._rank_tokens, T._lex_order, T._ancestor_mask,
-               T._assemble, T._plan, T._pad, T.chain_tree, T.chain_tree_batched):
+    for fn in (T.build_tree, T.build_tree_batched, T.ddtree_search, T.rank_tokens, T.rank_topk, T.pack_rows,
+               T._lex_order, T._ancestor_mask, T._assemble, T._plan, T._pad, T.chain_tree, T.chain_tree_batched):
         src = inspect.getsource(fn)
         for bad in (".item(", ".tolist(", ".cpu(", ".numpy(", "nonzero("):
             assert bad not in src, f"{fn.__name__} calls {bad}"
@@ -328,8 +339,8 @@ def test_cuda_matches_ref():
         x = random_logits(g, L, V, ["gauss", "ints", "uniform", "peaked"][trial % 4]).cuda()
         t = build_tree(x, 1, B)
         assert t.tokens.is_cuda
-        assert_same_tree(t, build_tree_ref(x, 1, B), f"L={L} V={V} B={B}")
+        assert_same_tree(t, build_tree_heap(x, 1, B), f"L={L} V={V} B={B}")
     x = torch.randn(2, 7, 163840, device="cuda")  # Kimi-sized vocab, batched
     bt = build_tree_batched(x, torch.tensor([1, 2], device="cuda"), 16)
     for i in range(2):
-        assert_same_tree(bt[i], build_tree_ref(x[i], i + 1, 16))
+        assert_same_tree(bt[i], build_tree_heap(x[i], i + 1, 16))

@@ -32,8 +32,8 @@ def test_inputs():
     # a tree that carries its mask packed (the GPU search's hand-over) passes the packed rows on, and indexing
     # the batch keeps them: bit j of row i = ancestor_mask[i, j]
     import dataclasses
-    import kernels
-    packed = dataclasses.replace(tr, mask_bits=kernels.tree_mask_bits(tr.ancestor_mask))
+    from tree import pack_rows
+    packed = dataclasses.replace(tr, mask_bits=pack_rows(tr.ancestor_mask))
     assert packed.mask_bits.tolist() == [[0b1, 0b11, 0b101, 0b1011, 0b11011]]
     assert torch.equal(V.verify_inputs(packed, 7)[2], packed.mask_bits)
     assert torch.equal(packed[0].mask_bits, packed.mask_bits[0]) and tr[0].mask_bits is None
@@ -68,7 +68,29 @@ def test_commit_moves_path_kv():
     assert torch.equal(cache[:, 0, 7], before[:, 0, 7]) and torch.equal(cache[:, 0, 8], before[:, 0, 8])
     assert torch.equal(cache[:, 0, 9], before[:, 0, 10])                            # node 3 -> slot start+2
     assert torch.equal(cache[:, 0, :7], before[:, 0, :7])                           # the prefix is untouched
-    assert V.path_is_contiguous([0, 1, 2], 3) and not V.path_is_contiguous([0, 1, 3], 3)
+
+
+def test_commit_per_row_start():
+    """A tensor start_pos (the fixed-shape step's form): each row moves its own path from its own start; rows past
+    the batch (cache row 2) are untouched."""
+    cache = torch.randn(2, 3, 16, 4)                                                  # [layers, Bmax, S, C]
+    before = cache.clone()
+    start, acc, n = torch.tensor([2, 5]), torch.tensor([[0, 2, 4, 4], [0, 1, 3, 3]]), torch.tensor([3, 2])
+    V.commit_kv(cache, start, acc, n)
+    assert torch.equal(cache[:, 0, 3], before[:, 0, 4]) and torch.equal(cache[:, 0, 4], before[:, 0, 6])
+    assert torch.equal(cache[:, 1, 5:7], before[:, 1, 5:7])                         # a contiguous path stays
+    want = before.clone()
+    want[:, 0, 3:5] = before[:, 0, [4, 6]]
+    assert torch.equal(cache, want)
+
+
+def test_accept_batched_rows_independent():
+    tr = five_node_tree()
+    two = Tree(*(torch.cat([t, t]) for t in (tr.tokens, tr.parents, tr.depths, tr.scores, tr.valid,
+                                            tr.ancestor_mask)))
+    acc, n, b = V.accept(two, torch.tensor([[11, 13, 0, 14, 42], [12, 0, 5, 0, 0]]))
+    assert n.tolist() == [4, 2] and b.tolist() == [42, 5]
+    assert acc.tolist() == [[0, 1, 3, 4, 4], [0, 2, 2, 2, 2]]
 
 
 def test_sample_top_k_top_p():

@@ -2,6 +2,7 @@
 
 import torch
 
+import checkpoint as C
 import model as M
 
 
@@ -49,16 +50,16 @@ def write_k26(path, cfg: dict | None = None, seed: int = 0, n_shards: int = 3, q
     Returns the float reference model whose experts hold the dequantized INT4 weights."""
     cfg = cfg or text_config()
     ref = random_model(cfg, seed)
-    state = M.hf_state_dict(ref)
-    full = M.k26_config(cfg, 32 if quant else None)
+    state = C.hf_state_dict(ref)
+    full = C.k26_config(cfg, 32 if quant else None)
     if quant:   # round the reference experts to the INT4 grid so both sides hold the same weights
         for k, v in list(state.items()):
             if ".experts." in k:
-                q, s = M.quantize_int4(v)
+                q, s = C.quantize_int4(v)
                 state[k] = (q, s)
                 deq = (q.view(q.shape[0], -1, 32).float() * s.float().unsqueeze(-1)).view(q.shape)
                 _set_expert(ref, k, deq)
-    M.save_checkpoint(state, full, str(path), n_shards=n_shards)
+    C.save_checkpoint(state, full, str(path), n_shards=n_shards)
     return ref
 
 
