@@ -71,6 +71,7 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint as C
+import draft as D
 import kernels
 import model as M
 import tree as T
@@ -329,8 +330,8 @@ def _e2e_paths(a) -> tuple[str, str | None]:
 def bench_e2e(a, device, dtype) -> dict:
     import generate as G
     ckpt, draft_dir = _e2e_paths(a)
-    target = G.load_target(ckpt, device, dtype, progress=False)
-    drafter = G.load_draft(draft_dir, target, device, dtype) if draft_dir else None
+    target = C.load_model(ckpt, device, dtype, progress=False)
+    drafter = D.load_drafter(draft_dir, target.args, device, dtype) if draft_dir else None
     prompts = load_prompts(a.prompts, a.n_prompts)
     prompt_ids, tok_note = encode_prompts(prompts, a.tokenizer or ckpt, target.args.vocab_size, a.chat)
     widest = max(a.budgets + [drafter.block_size if drafter else 1])
@@ -370,8 +371,8 @@ def bench_batch(a, device, dtype) -> dict:
     budget; tokens/s per request and in total. Greedy; per-row outputs must equal single-request decoding."""
     import generate as G
     ckpt, draft_dir = _e2e_paths(a)
-    target = G.load_target(ckpt, device, dtype, progress=False)
-    drafter = G.load_draft(draft_dir, target, device, dtype) if draft_dir else None
+    target = C.load_model(ckpt, device, dtype, progress=False)
+    drafter = D.load_drafter(draft_dir, target.args, device, dtype) if draft_dir else None
     prompts = load_prompts(a.prompts, a.n_prompts)
     prompt_ids, _ = encode_prompts(prompts, a.tokenizer or ckpt, target.args.vocab_size, a.chat)
     budget = a.budgets[0]
@@ -1040,7 +1041,7 @@ def peer_e2e(a, device, dtype) -> dict:
     import generate as G
     from transformers import DeepseekV3ForCausalLM
     ckpt, _ = _e2e_paths(a)
-    target = G.load_target(ckpt, device, dtype, progress=False)
+    target = C.load_model(ckpt, device, dtype, progress=False)
     if param_bytes(target) > 2 * 2**30:
         gib = param_bytes(target) / 2**30
         return {"skipped": f"{ckpt}: {gib:.1f} GiB of weights; the peer e2e is for small models"}
@@ -1200,8 +1201,8 @@ def bench_step(a, device, dtype) -> dict:
     should leave <= 1.2x); graph_node_floor is what this GPU adds per kernel to any graph."""
     import generate as G
     ckpt, draft_dir = _e2e_paths(a)
-    target = G.load_target(ckpt, device, dtype, progress=False)
-    drafter = G.load_draft(draft_dir, target, device, dtype) if draft_dir else None
+    target = C.load_model(ckpt, device, dtype, progress=False)
+    drafter = D.load_drafter(draft_dir, target.args, device, dtype) if draft_dir else None
     ids = encode_prompts(load_prompts(a.prompts, 1), a.tokenizer or ckpt, target.args.vocab_size, a.chat)[0][0]
     modes = a.step_modes or (["static", "graph", "graph+compile"] if device.type == "cuda" else ["static"])
     print0(f"\n## step: {ckpt} on {device}, {str(dtype).replace('torch.', '')}, first prompt ({len(ids)} tokens), "

@@ -244,6 +244,21 @@ def _check_dtype(name, fname, got: torch.dtype, want: torch.dtype):
         raise CheckpointError(f"tensor {name} in {fname} has dtype {got}, expected {want}")
 
 
+def load_model(ckpt: str, device, dtype: torch.dtype, progress: bool = True) -> M.Transformer:
+    """Build the target directly on `device` in `dtype` (its config checked against the TP size first) and load it."""
+    args = model_args(ckpt)
+    M.check_tp_divisibility(args, M.world_size)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)       # allocate in the final dtype: no fp32 copy of the weights
+    try:
+        with torch.device(device):
+            model = M.Transformer(args)
+    finally:
+        torch.set_default_dtype(old)
+    load_checkpoint(model, ckpt, progress=progress)
+    return model.eval()
+
+
 @torch.no_grad()
 def load_checkpoint(model: M.Transformer, ckpt_dir: str, progress: bool = False, check_finite: bool = True) -> dict:
     """Load this rank's slices of every parameter from an HF safetensors checkpoint. check_finite: no floating

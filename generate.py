@@ -62,6 +62,7 @@ class Stats:
     decode_s: float = 0.0
     accept_lens: list = field(default_factory=list)
     stage_s: dict = field(default_factory=lambda: {"draft": 0.0, "tree": 0.0, "verify": 0.0, "commit": 0.0})
+    step_s: list = field(default_factory=list)     # per step: {stage: seconds} (eager: each stage; else the step)
     stopped: str = ""
 
     @property
@@ -81,7 +82,7 @@ class _Clock:
     """Wall-clock laps; on CUDA a lap synchronizes first, so each stage's time is its own."""
 
     def __init__(self, device: torch.device, stats: Stats):
-        self.cuda, self.stats, self.t = device.type == "cuda", stats, time.perf_counter()
+        self.cuda, self.stats, self.t, self.laps = device.type == "cuda", stats, time.perf_counter(), {}
 
     def lap(self) -> float:
         if self.cuda:
@@ -92,7 +93,8 @@ class _Clock:
 
     def stage(self, name: str) -> None:
         """The step's hook in eager mode: the time since the last lap was stage `name`'s."""
-        self.stats.stage_s[name] += self.lap()
+        self.laps[name] = dt = self.lap()
+        self.stats.stage_s[name] += dt
 
 
 def check_prompt(prompt_ids: list[int], vocab: int, max_seq_len: int, what: str = "") -> None:
@@ -106,11 +108,14 @@ def check_prompt(prompt_ids: list[int], vocab: int, max_seq_len: int, what: str 
 
 
 class View(NamedTuple):
-    """What a speculative step leaves for a viewer (--show-tree) to read after it."""
+    """What a speculative step leaves for a viewer (--show-tree, --trace) to read after it: tensors the step made
+    anyway, so keeping them costs nothing."""
     tree: T.Tree                   # fields [B, N]
     targets: torch.Tensor          # [B, N] the target's token after each node
     accepted: torch.Tensor         # [B, N] the accepted path's nodes, root first
     accept_len: torch.Tensor       # [B] its length
+    logits: torch.Tensor           # [B, N, V] the target's logits after each node
+    draft_logits: torch.Tensor     # [B, L, V] the drafter's, one row per depth
 
 
 class Step:
@@ -204,7 +209,7 @@ class Step:
         self.out.scatter_(1, accept_len[:, None], bonus[:, None])
         self._advance(n, bonus)
         lap("commit")
-        return View(tree, targets, accepted, accept_len)
+        return View(tree, targets, accepted, accept_len, logits, draft_logits)
 
     def ar(self, hook=None) -> None:
         """One autoregressive token per row: no drafter, budget 0, or a tree that no longer fits in the cache."""
@@ -281,23 +286,24 @@ def capture_graph(fn, warmup: int = 1, reset=None) -> "torch.cuda.CUDAGraph":
 def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, drafter=None, budget: int = 8,
              chain: bool = False, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_ids=(), seed: int = 0, max_seq_len: int | None = None, on_tokens=None,
-             show_tree=None, stats: Stats | None = None, mode: str = "eager", debug: bool = False) -> list[int]:
+             on_step=None, stats: Stats | None = None, mode: str = "eager", debug: bool = False) -> list[int]:
     """Decode up to max_new_tokens after prompt_ids: generate_batch for one prompt. Returns the new tokens.
     on_tokens(list[int]) gets each step's committed tokens (streaming)."""
     stream = (lambda b, tokens: on_tokens(tokens)) if on_tokens else None
     return generate_batch(model, [prompt_ids], max_new_tokens, drafter, budget, chain, temperature, top_k, top_p,
-                          stop_ids, seed, max_seq_len, mode, stats, stream, show_tree, debug)[0]
+                          stop_ids, seed, max_seq_len, mode, stats, stream, on_step, debug)[0]
 
 
 @torch.no_grad()
 def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_tokens: int, drafter=None,
                    budget: int = 8, chain: bool = False, temperature: float = 0.0, top_k: int = 0,
                    top_p: float = 1.0, stop_ids=(), seed: int = 0, max_seq_len: int | None = None,
-                   mode: str = "eager", stats: Stats | None = None, on_tokens=None, show_tree=None,
+                   mode: str = "eager", stats: Stats | None = None, on_tokens=None, on_step=None,
                    debug: bool = False) -> list[list[int]]:
     """Decode several prompts at once, each in its own cache row, until each stops (stop token, length, cache end).
     drafter=None or budget=0: autoregressive; chain=True: the DFlash chain (the drafter's top-1 at each position).
-    on_tokens(b, tokens) / show_tree(tree, path): each step's committed tokens / tree and accepted nodes of row b.
+    on_tokens(b, tokens): row b's committed tokens, each step (streaming). on_step(b, view, tokens): after each
+    speculative step, for each row still decoding, the step's View and the tokens row b committed.
     mode: "eager" (the step as it is, timed stage by stage), "static" (the same, timed as a whole), "compile",
     "graph" (a CUDA graph of it), "graph+compile". debug: NaN/inf checks per layer, TP ranks agree."""
     stats = stats if stats is not None else Stats()
@@ -342,9 +348,11 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
         if all(done):
             break
         # 1-5. one step for every row: draft, build tree, verify, accept, commit (or one autoregressive token)
+        clock.laps = {}
         rows = step(spec, hook)
         if hook is None:
             clock.stage("verify")        # compiled, captured or static: the whole step's time
+        stats.step_s.append(clock.laps)
         if debug:
             check_ranks_agree(rows)
         # 6. stream each row's committed tokens; a row stops on a stop token or the length limit
@@ -352,8 +360,8 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
             if not done[b]:
                 start[b] += len(new)
                 stats.accept_lens.append(len(new))
-                if show_tree and spec:
-                    show_tree(step.view.tree[b], step.view.accepted[b, :len(new)].tolist())
+                if on_step and spec:
+                    on_step(b, step.view, new)
                 emit(b, new)
     stats.new_tokens = sum(map(len, outs))
     clock.lap()
@@ -372,26 +380,6 @@ def check_ranks_agree(tokens: list) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # Loading and the command line
-
-
-def load_target(ckpt: str, device: torch.device, dtype: torch.dtype, progress: bool = True) -> M.Transformer:
-    """Build the target directly on `device` in `dtype` (checked against the TP size first) and load it."""
-    args = M.ModelArgs.from_config(ckpt)
-    M.check_tp_divisibility(args, M.world_size)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = M.Transformer(args)
-    finally:
-        torch.set_default_dtype(old)
-    C.load_checkpoint(model, ckpt, progress=progress)
-    return model.eval()
-
-
-def load_draft(path: str, target: M.Transformer, device, dtype):
-    import draft as D
-    return D.load_drafter(path, target_args=target.args, device=device, dtype=dtype).eval()
 
 
 def check_args(a: argparse.Namespace) -> None:
@@ -427,12 +415,14 @@ def check_args(a: argparse.Namespace) -> None:
             a.prompt_texts = [line.rstrip("\n") for line in f if line.strip()]
         if not a.prompt_texts:
             raise ValueError(f"--prompts {a.prompts}: no prompts (one per line)")
-    for flag, on in (("--chain", a.chain), ("--show-tree", a.show_tree)):
+    for flag, on in (("--chain", a.chain), ("--show-tree", a.show_tree), ("--trace", a.trace)):
         if on and not (a.draft and a.budget > 0):     # nothing would be drafted: decoding is autoregressive
             raise ValueError(f"{flag} needs a drafter (--draft) and --budget >= 1, got "
                              + ("--budget 0" if a.draft else "no --draft"))
     if a.cuda_graph and (a.device == "cpu" or not torch.cuda.is_available()):
         raise ValueError("--cuda-graph needs a CUDA device")
+    if a.trace and not os.path.isdir(os.path.dirname(os.path.abspath(a.trace))):
+        raise ValueError(f"--trace {a.trace}: no such directory to write the page in")
     if a.show_tree and a.prompts:
         raise ValueError("--show-tree prints one sequence's trees: not with --prompts")
     if (a.raw or a.prompt_ids is not None) and (a.system is not None or a.thinking is not None):
@@ -478,6 +468,7 @@ def main(argv=None) -> int:
 def _main(a: argparse.Namespace) -> int:
     import draft as D
     from tokenizer import StreamDecoder, Tokenizer
+    from trace import Trace
     check_args(a)
     device = M.init_distributed(device=a.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[
@@ -489,11 +480,11 @@ def _main(a: argparse.Namespace) -> int:
         D.check_tp_divisibility(dargs, M.world_size)           # before the target loads, not after
     check_cache_memory(a, M.ModelArgs.from_config(a.ckpt), dargs, device, dtype, len(a.prompt_texts or [0]))
     tokenizer = Tokenizer.from_dir(a.tokenizer or a.ckpt)
-    target = load_target(a.ckpt, device, dtype, progress=not a.quiet)
+    target = C.load_model(a.ckpt, device, dtype, progress=not a.quiet)
     if tokenizer.vocab_size > target.args.vocab_size:
         raise ValueError(f"tokenizer in {a.tokenizer or a.ckpt} has {tokenizer.vocab_size} ids but the model's "
                          f"vocab_size is {target.args.vocab_size}")
-    drafter = load_draft(a.draft, target, device, dtype) if dargs is not None else None
+    drafter = D.load_drafter(a.draft, target.args, device, dtype) if dargs is not None else None
     mem = f"peak host RSS {C.peak_rss_bytes() / 2**30:.2f} GiB" + (
         f", device memory {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else "")
     M.print0(f"[loaded {a.ckpt}" + (f" + drafter {a.draft}" if drafter else "") + f" on {device}, {dtype}; {mem}]")
@@ -507,14 +498,22 @@ def _main(a: argparse.Namespace) -> int:
         lambda text: tokenizer.apply_chat_template(system + [{"role": "user", "content": text}], **chat_kw))
     if a.show_tree:      # each step's tree, then the tokens it committed, never mixed with streamed text
         M.print0(T.LEGEND)
-        kw["show_tree"] = lambda tr, path: M.print0("\n" + T.format_tree(tr, lambda t: tokenizer.decode([t]), path))
+        kw["on_step"] = lambda b, v, new: M.print0("\n" + T.format_tree(
+            v.tree[b], lambda t: tokenizer.decode([t]), v.accepted[b, :len(new)], bonus=new[-1]))
+    trace = Trace(tokenizer.decode, vars(a), then=kw.get("on_step")) if a.trace and M.rank == 0 else None
+    if trace:            # each step's View, read after the step; the page is rewritten after each run (chat turn)
+        kw["on_step"] = trace.on_step
 
     def run(prompt_ids: list[int]) -> list[int]:
         """One prompt, streamed as it is committed (never a broken UTF-8 character), then its statistics."""
         dec, stats = StreamDecoder(tokenizer), Stats()
         stream = (lambda ids: M.print0("committed: " + " ".join(repr(tokenizer.decode([t])) for t in ids))
                   ) if a.show_tree else (lambda ids: M.print0(dec.push(ids), end="", flush=True))
+        if trace:
+            trace.begin([prompt_ids], stats)
         ids = generate(target, prompt_ids, a.max_new_tokens, on_tokens=stream, stats=stats, **kw)
+        if trace:
+            trace.write(a.trace)
         stop = f", stopped: {stats.stopped}" if stats.stopped else ""
         M.print0(dec.flush() + f"\n[{stats.new_tokens} tokens in {stats.decode_s:.2f} s: {stats.tokens_per_s:.1f} "
                  f"tok/s, prefill {stats.prefill_s * 1000:.0f} ms{stop}]")
@@ -525,7 +524,7 @@ def _main(a: argparse.Namespace) -> int:
         return ids
 
     if a.prompt_texts:
-        run_batch(a, tokenizer, target, kw, encode)
+        run_batch(a, tokenizer, target, kw, encode, trace)
     elif a.prompt_ids is not None:
         run(a.prompt_ids)
     elif a.prompt is None and sys.stdin.isatty():
@@ -539,10 +538,14 @@ def _main(a: argparse.Namespace) -> int:
     return 0
 
 
-def run_batch(a, tokenizer, target, kw, encode) -> None:
-    """--prompts FILE: one prompt per line, decoded together as one batch."""
+def run_batch(a, tokenizer, target, kw, encode, trace=None) -> None:
+    """--prompts FILE: one prompt per line, decoded together as one batch (one section of the --trace page each)."""
     stats = Stats()
+    if trace:
+        trace.begin([encode(t) for t in a.prompt_texts], stats)
     outs = generate_batch(target, [encode(t) for t in a.prompt_texts], a.max_new_tokens, stats=stats, **kw)
+    if trace:
+        trace.write(a.trace)
     for t, o in zip(a.prompt_texts, outs):
         M.print0(f"--- {t!r}\n{tokenizer.decode([x for x in o if x not in tokenizer.stop_ids])}")
     M.print0(f"[{len(outs)} prompts, {stats.new_tokens} tokens in {stats.decode_s:.2f} s: "
@@ -622,6 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens holding this mass")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.add_argument("--show-tree", action="store_true", help="print each step's tree, then the tokens it committed")
+    p.add_argument("--trace", default=None, metavar="FILE.html",
+                   help="write every step's tree, the target's token at each node and the accepted path to one page")
     p.add_argument("--device", default=None, help=M.DEVICE_HELP)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="weights and activations (default: bf16 on CUDA, fp32 on the CPU)")

@@ -380,7 +380,7 @@ def export_target(model: M.Transformer, text_cfg: dict, out_dir: str, dtype=torc
 def load_target(ckpt: str, device, dtype) -> M.Transformer:
     """The exported target as it serves (bf16 + Triton INT4 kernels on CUDA), frozen."""
     import generate as G
-    return G.load_target(ckpt, device, dtype, progress=False).requires_grad_(False)
+    return C.load_model(ckpt, device, dtype, progress=False).requires_grad_(False)
 
 
 def train_and_export_target(p: dict, num_base: int, train: torch.Tensor, val: torch.Tensor, tdir: str, device,
@@ -659,7 +659,7 @@ def accept_lengths(target_dir: str, draft_dir: str, val: torch.Tensor, tok: tk.T
     held-out files (seeded positions)."""
     import generate as G
     target = load_target(target_dir, device, dtype)
-    drafter = D.load_drafter(draft_dir, target_args=target.args, device=device, dtype=dtype).eval()
+    drafter = D.load_drafter(draft_dir, target_args=target.args, device=device, dtype=dtype)
     openings = (val == tok.bos_id).nonzero().flatten().tolist()[:n_prompts]
     g = torch.Generator().manual_seed(5)
     middles = torch.randint(len(val) - prompt_len - 1, (2 * n_prompts,), generator=g).tolist()

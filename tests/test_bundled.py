@@ -6,6 +6,8 @@ import os
 
 import torch
 
+import checkpoint as C
+import draft as D
 import generate as G
 import model as M
 from tokenizer import Tokenizer
@@ -20,12 +22,12 @@ def test_bundled_pair_takes_the_k26_path():
     assert any(n.endswith("experts.0.up_proj.weight_packed") for n in index)
     args = M.ModelArgs.from_config(ckpt)
     assert args.nested and args.quant is not None and args.quant.group_size == 32
-    target = G.load_target(ckpt, torch.device("cpu"), torch.float32, progress=False)
+    target = C.load_model(ckpt, torch.device("cpu"), torch.float32, progress=False)
     moe = next(l.mlp for l in target.layers if isinstance(l.mlp, M.MoE))
     assert moe.experts.w13_packed.dtype == torch.int32 and not hasattr(moe.experts, "w13")   # never dequantized
     tok = Tokenizer.from_dir(ckpt)
     assert tok.vocab_size == args.vocab_size and tok.num_base_tokens + 256 == tok.vocab_size
-    drafter = G.load_draft(draft, target, torch.device("cpu"), torch.float32)
+    drafter = D.load_drafter(draft, target.args, torch.device("cpu"), torch.float32)
     prompt = tok.encode("def read_config(path):\n    \"\"\"Read a JSON config file.\"\"\"\n    with open(path) as f:\n")
     ar = G.generate(target, prompt, 40, max_seq_len=160)
     st = G.Stats()

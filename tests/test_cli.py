@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import checkpoint as C
 import draft as D
 import generate as G
 import model as M
@@ -77,7 +78,7 @@ def test_bad_input_fails_before_loading(ckpt, capsys, monkeypatch, argv, word):
     """Each is one line naming the flag or file, exit code 2, and comes before any weight is read."""
     def no_load(*a, **k):
         raise AssertionError("loaded the model before checking the flags")
-    monkeypatch.setattr(G, "load_target", no_load)
+    monkeypatch.setattr(C, "load_model", no_load)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)       # a CPU-only machine, on a GPU host too
     base = ["--ckpt", str(ckpt), "--draft", str(ckpt / "draft"), "--quiet"]
     if not {"--prompt", "--prompt-ids", "--prompts"} & set(argv):
@@ -172,8 +173,8 @@ def test_show_tree(ckpt, capsys):
     assert code == 0 and out.count(T.LEGEND) == 1
     body = out.split(T.LEGEND)[1].split("\n[6 tokens")[0]
     lines = [line for line in body.splitlines() if line.strip()]
-    kinds = ["tree" if re.match(r"[* ] .*\[\d+\] ", line) else "committed" if line.startswith("committed: ") else line
-             for line in lines]
+    kinds = ["tree" if re.match(r"[* ] .*\[\d+\] |  bonus ", line) else "committed" if line.startswith("committed: ")
+             else line for line in lines]
     assert set(kinds) == {"tree", "committed"}, kinds              # nothing else in between
     assert kinds[0] == "committed" and kinds[-1] == "committed"     # the prefill's token; the last step's tokens
     steps = "".join("t" if k == "tree" else "c" for k in kinds)

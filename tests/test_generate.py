@@ -4,6 +4,7 @@ Run: python -m pytest -q tests/test_generate.py"""
 import pytest
 import torch
 
+import checkpoint as C
 import generate as G
 import tiny
 import tree as T
@@ -198,13 +199,19 @@ def test_stage_clock_syncs_only_in_eager_mode(target, real_drafter, monkeypatch)
         assert all(v > 0 for v in st.stage_s.values()) if mode == "eager" else st.stage_s["draft"] == 0
 
 
-def test_show_tree_reads_each_steps_tree_and_path(target, real_drafter):
-    """--show-tree reads the step's tree and accepted path after the step: the paths, root first, laid end to end
-    spell the output (each step's root is the token the step before committed last)."""
+def test_on_step_reads_each_steps_tree_and_path(target, real_drafter):
+    """on_step (--show-tree, --trace) reads the step's View after the step: the accepted paths, root first, laid end
+    to end spell the output (each step's root is the token the step before committed last), and each step's
+    committed tokens are its path's tokens after the root, then the target's token at the path's end."""
     seen = []
     st = G.Stats()
-    out = G.generate(target, [2, 7, 1], 20, drafter=real_drafter, budget=8, max_seq_len=96, stats=st,
-                     show_tree=lambda tr, path: seen.append((tr, path)))
+
+    def on_step(b, view, new):
+        tr, path = view.tree[b], view.accepted[b, :len(new)]
+        assert new == tr.tokens[path[1:]].tolist() + [int(view.targets[b, path[-1]])]
+        assert view.logits.shape[:2] == view.targets.shape and view.draft_logits.shape[1] == real_drafter.block_size - 1
+        seen.append((tr, path.tolist()))
+    out = G.generate(target, [2, 7, 1], 20, drafter=real_drafter, budget=8, max_seq_len=96, stats=st, on_step=on_step)
     assert len(seen) == len(st.accept_lens) and all(tr.tokens.shape == (9,) for tr, _ in seen)
     assert [len(path) for _, path in seen] == st.accept_lens
     spelled = [t for tr, path in seen for t in tr.tokens[path].tolist()]
@@ -282,7 +289,7 @@ def test_compiled_bf16_forward_rounds_like_eager():
     drafts worse for it. Bundled target, bf16, a code prompt: the compiled forward's logits match eager's (the bound
     leaves room for another CPU's summation order)."""
     import bench
-    target = G.load_target(G.BUNDLED_TARGET, torch.device("cpu"), torch.bfloat16, progress=False)
+    target = C.load_model(G.BUNDLED_TARGET, torch.device("cpu"), torch.bfloat16, progress=False)
     prompt = bench.encode_prompts(bench.load_prompts(bench.PROMPTS_FILE, 1), G.BUNDLED_TARGET,
                                   target.args.vocab_size, False)[0][0]
     x = torch.tensor([prompt])                                                   # [1, T]

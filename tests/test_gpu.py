@@ -101,8 +101,8 @@ def test_compiled_bf16_keeps_acceptance():
     graph+compile), so their bf16 streams may still part at a near-tie; hence the mean, within 5%."""
     import bench
     dev = torch.device("cuda")
-    target = G.load_target(G.BUNDLED_TARGET, dev, torch.bfloat16, progress=False)
-    drafter = G.load_draft(G.BUNDLED_DRAFT, target, dev, torch.bfloat16)
+    target = C.load_model(G.BUNDLED_TARGET, dev, torch.bfloat16, progress=False)
+    drafter = D.load_drafter(G.BUNDLED_DRAFT, target.args, dev, torch.bfloat16)
     prompts = bench.encode_prompts(bench.load_prompts(bench.PROMPTS_FILE, 2), G.BUNDLED_TARGET,
                                    target.args.vocab_size, False)[0]
     accept = {}
