@@ -38,8 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-
-MASK_WORD_BITS = 64      # a tree of N <= 64 nodes also carries its mask rows packed into one int64 word each
+import model as M
 
 
 @dataclass
@@ -66,12 +65,9 @@ class Tree:
 
 
 def pack_rows(mask: torch.Tensor) -> torch.Tensor | None:
-    """[..., N, N] bool -> [..., N] int64 with bit j of word i = mask[i, j] (None when N > 64). The bits are
-    disjoint, so the sum is their OR; j = 63 wraps into the sign bit."""
-    N = mask.shape[-1]
-    if N > MASK_WORD_BITS:
-        return None
-    return (mask.long() << torch.arange(N, device=mask.device)).sum(-1)                       # [..., N]
+    """The tree's mask rows packed as the target's attention takes them (model.tree_mask_bits): [..., N, N] bool ->
+    [..., N] int64, or None when N > 64 (one word per row)."""
+    return M.tree_mask_bits(mask) if mask.shape[-1] <= M.MASK_WORD_BITS else None
 
 
 # -----------------------------------------------------------------------------
