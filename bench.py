@@ -6,9 +6,9 @@ the KV cache it attends over, and nothing else matters much at batch 1. So next 
 *byte floor* per step: the bytes a step must read divided by the copy bandwidth of this GPU, measured in the
 same run (a large device-to-device copy, bytes read + written / time). For one K2.6 MoE layer those bytes are
 the bf16 attention weights, the INT4 experts that the step's tokens actually route to (the union over the
-tokens: a tree of N nodes touches far more experts than one token, performance.md §6.5), the shared expert,
+tokens: a tree of N nodes touches far more experts than one token), the shared expert,
 the router and the compressed KV cache (576 values per cached token). floor / latency is the memory-bandwidth
-utilisation (MBU) of the step. Real engines run at 5-15% of it at batch 1 (performance.md §0): fixed
+utilisation (MBU) of the step. At batch 1 engines run far below it: fixed
 per-layer costs (kernel launches, all-reduces, small-M MoE kernels) dominate, which is what `layers` shows.
 
 Modes:
@@ -43,11 +43,10 @@ Modes:
     torchrun --nproc-per-node 8 bench.py e2e --ckpt <Kimi-K2.6> --draft <Kimi-K2.6-DFlash> --chat
 
 Caveats, printed where they apply:
-  * the decode loop is eager and its stage timer synchronizes the GPU after every stage (generate.py): tree
-    cost is measured as the eager engine pays it, not as a CUDA-graph engine would (ddtree.md §4.5 item 1);
+  * in eager step mode the stage timer synchronizes the GPU after every stage (generate.py): stage costs are
+    measured as the eager loop pays them, not as a CUDA graph would;
   * in bf16 a greedy near-tie can flip when the verify width changes the kernel path, so on the GPU a
-    "lossless: False" is a numerics question before it is a bug (ddtree.md §4.5 item 7); a budget whose tree
-    is wider than model.ABSORB_MAX_T verifies through the naive MLA path (a width cliff, item 8);
+    "lossless: False" is a numerics question before it is a bug;
   * random inputs route like uniform routing; real tree siblings route alike, so real unions are smaller.
 
 The last stdout line is one JSON document with everything printed above it; --out FILE.json writes it to a
@@ -419,7 +418,7 @@ def print_e2e(runs: list[dict]) -> None:
     bad = [r for r in runs if r["lossless"] is False]
     if bad:
         print0("lossless NO: in bf16 a near-tie can flip when the verify width changes kernel paths "
-               "(ddtree.md §4.5 item 7); first differing token per prompt: "
+               "; first differing token per prompt: "
                + "; ".join(f"{r['mode']} {r['budget']}: {[p['first_diff'] for p in r['per_prompt']]}" for r in bad))
 
 
@@ -428,7 +427,7 @@ def print_e2e(runs: list[dict]) -> None:
 
 
 def k26_text_config(scale: str) -> dict:
-    """Kimi K2.6's text config (kimi_k2.md §0, performance.md §6.1); scale 'tiny' shrinks every dimension
+    """Kimi K2.6's text config; scale 'tiny' shrinks every dimension
     (and keeps them divisible by TP 8 and the INT4 group of 32)."""
     cfg = dict(model_type="kimi_k2", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
                moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
@@ -562,7 +561,7 @@ def step_bytes(block: M.Block, ids: torch.Tensor | None, ctx: int, T: int, kv_ro
 
 
 def uniform_union(n_experts: int, k: int, T: int) -> float:
-    """Expected distinct experts when T tokens each pick k of n uniformly (performance.md §6.5)."""
+    """Expected distinct experts when T tokens each pick k of n uniformly."""
     return n_experts * (1 - (1 - k / n_experts) ** T)
 
 
@@ -672,7 +671,7 @@ def project(rows: list[dict], head: list[dict], cfg: dict, a) -> tuple[list[dict
         f"per-rank shapes at TP{a.tp}: one rank's step time is the model's step time (all ranks work in lockstep)",
         f"collectives: 2 all-reduces per layer (attention o_proj, MLP/MoE) + the embedding all-reduce + the lm_head "
         f"all-gather = {n_coll} x {a.allreduce_us:g} us = {n_coll * a.allreduce_us / 1e3:.2f} ms (--allreduce-us; "
-        f"measured_here.md: eager NCCL 26-36 us, in a CUDA graph 20-22 us on 2xH200)"
+        f"bench.py allreduce measures it)"
         + ("" if a.tp > 1 else "; TP1 has no collectives: counted as 0"),
         "lm_head: one rank's [vocab/tp, hidden] bf16 matmul, timed; the embedding lookup (T rows) is not counted",
         "not counted: the drafter forward, tree building, acceptance, KV commit, host round trips",
@@ -883,7 +882,7 @@ def bench_allreduce(a, device, dtype, n_graph: int = 61) -> dict:
 
 
 def k26_draft_config(scale: str) -> dict:
-    """The Kimi K2.6 DFlash drafter's config (ddtree.md §2.5); 'tiny' shrinks it for CPU smoke tests."""
+    """The Kimi K2.6 DFlash drafter's config; 'tiny' shrinks it for CPU smoke tests."""
     cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=7168, intermediate_size=18432,
                num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128, hidden_act="silu",
                rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=262144, attention_bias=False,

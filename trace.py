@@ -301,8 +301,8 @@ last committed token. A box is a node: its token (<code>␣</code> a space, <cod
 drafter's rank), the drafter's <b>q</b> (its probability of that token after the parent) and <b>log Q</b> (the sum of
 log q along the path, which ranks the nodes).</li>
 <li>The last line, <b>→ token p</b>, is the <b>target</b>'s: the token it puts after that node and its probability
-(greedy: the argmax, p at temperature 1; sampling: its sample, p at the run's temperature). One target forward saw
-every node.</li>
+(greedy: the argmax, p at temperature 1; sampling: its sample, p at the run's temperature, before top-k/top-p). One
+target forward saw every node.</li>
 <li>The walk starts at the root and moves to the child holding the target's token; it <b>stops</b> at the first node
 with no such child. <span class=k1>Green</span>: the accepted path; <span class=k2>orange</span>: where the walk
 stopped, and the <b>bonus</b>, the target's token there. The step commits the path's tokens and the bonus: the top

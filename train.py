@@ -475,7 +475,7 @@ def reuse_target_log(earlier: dict, target: M.Transformer, r: dict, log: dict) -
                                      .parameters())
 
 # -----------------------------------------------------------------------------------------------
-# 5. Drafter: DFlash trained on the frozen INT4 target (ddtree.md §2.4). Each sequence gets random anchors;
+# 5. Drafter: DFlash trained on the frozen INT4 target (DFlash, arXiv 2602.06036). Each sequence gets random anchors;
 # the block at anchor a is [token_a, MASK x (bs-1)] at positions a..a+bs-1, sees the context features of
 # positions < a (the anchor's own feature is not known at inference) and its own block (bidirectional),
 # never another block; block slot k predicts token a+k with weight exp(-(k-1)/gamma).
