@@ -468,7 +468,7 @@ def main(argv=None) -> int:
 def _main(a: argparse.Namespace) -> int:
     import draft as D
     from tokenizer import StreamDecoder, Tokenizer
-    from trace import Trace
+    from trace_page import Trace
     check_args(a)
     device = M.init_distributed(device=a.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[

@@ -1,4 +1,4 @@
-"""--trace: the page a run writes (trace.py) with the bundled tiny model on the CPU. It parses as HTML with balanced
+"""--trace: the page a run writes (trace_page.py) with the bundled tiny model on the CPU. It parses as HTML with balanced
 tags, holds one tree per step with the step's node count, highlights the path the step committed, and shows token
 text as text (a token holding `<script>` or `&` cannot become markup).
 Run: python -m pytest -q tests/test_trace.py"""
@@ -12,7 +12,7 @@ import checkpoint as C
 import draft as D
 import generate as G
 from tokenizer import Tokenizer
-from trace import Trace
+from trace_page import Trace
 
 VOID = {"meta", "br", "hr", "img", "input", "link"}      # HTML elements with no end tag
 

@@ -1,4 +1,4 @@
-"""trace.py: a DDTree run as one self-contained HTML page: each step's draft tree, what the target said at every
+"""trace_page.py: a DDTree run as one self-contained HTML page: each step's draft tree, what the target said at every
 node, and what the step kept.
 
     python generate.py --raw --prompt "def fib(n):" --max-new-tokens 40 --trace step.html    # then open step.html
