@@ -41,6 +41,8 @@ Modes:
     python bench.py tree --budgets 8,16,64                # V = 163840, L = 7 by default (CPU ok)
     python bench.py kernels [--sweep]                     # one GPU: kernels vs references, timings
     torchrun --nproc-per-node 8 bench.py e2e --ckpt <Kimi-K2.6> --draft <Kimi-K2.6-DFlash> --chat
+    torchrun --nproc-per-node 8 bench.py e2e --ckpt random:k2.6 --budgets 8,16 --step-mode graph
+                                                          # K2.6's shapes, random weights: step times, no download
 
 Caveats, printed where they apply:
   * in eager step mode the stage timer synchronizes the GPU after every stage (generate.py): stage costs are
@@ -74,6 +76,7 @@ import draft as D
 import kernels
 import model as M
 import tree as T
+from checkpoint import k26_draft_config, k26_text_config
 from tree import ancestor_mask
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -232,11 +235,11 @@ def encode_prompts(prompts: list[dict], tok_dir: str, vocab: int, chat: bool) ->
         "no tiktoken.model in the checkpoint: UTF-8 bytes mod vocab"
 
 
-def e2e_modes(budgets: list[int], drafter, chain: bool) -> list[tuple[str, int]]:
+def e2e_modes(budgets: list, drafter, chain: bool) -> list[tuple[str, int | str]]:
     modes = [("ar", 0)]
     if drafter is not None:
         modes += [("chain", 0)] if chain else []
-        modes += [("ddtree", b) for b in budgets]
+        modes += [("auto", b) if b == "auto" else ("ddtree", b) for b in budgets]
     return modes
 
 
@@ -283,7 +286,12 @@ def run_mode(target, drafter, prompt_ids, mode: str, budget: int, temperature: f
         outs.append(G.generate(target, ids, a.max_new_tokens, seed=i, stats=st, **kw))
         stats.append(st)
     r = {"mode": mode, "budget": budget if mode == "ddtree" else None, "temperature": temperature}
-    if mode != "ar":
+    if mode == "auto":     # the share of steps auto ran at each budget (0: one token)
+        mix = G.Stats()
+        for s in stats:
+            mix.budgets.update(s.budgets)
+        r["budget_mix"] = mix.budget_mix()
+    elif mode != "ar":
         n_nodes = budget + 1 if mode == "ddtree" else drafter.block_size
         r["verify_tokens"] = n_nodes
         r["mla_path"] = "absorbed, Triton" if n_nodes <= 64 else "absorbed, reference attention (> 64 rows)"
@@ -315,12 +323,13 @@ def warm_up(target, drafter, prompt_ids, a, max_seq_len: int) -> None:
 def _e2e_paths(a) -> tuple[str, str | None]:
     import generate as G
     ckpt = a.ckpt or G.BUNDLED_TARGET
-    draft = a.draft if a.draft is not None else (G.BUNDLED_DRAFT if ckpt == G.BUNDLED_TARGET else None)
+    paired = G.BUNDLED_DRAFT if ckpt == G.BUNDLED_TARGET else ckpt + "-dflash" if C.is_random(ckpt) else None
+    draft = a.draft if a.draft is not None else paired
     draft = draft or None                   # --draft '': autoregressive only
-    if not os.path.isdir(ckpt):
+    if not os.path.isdir(ckpt) and not C.is_random(ckpt):
         raise FileNotFoundError(f"target checkpoint {ckpt} not found: build the bundled one with "
                                 f"`python train.py --out checkpoints`, or pass --ckpt (and --draft)")
-    if draft is not None and not os.path.isdir(draft):
+    if draft is not None and not os.path.isdir(draft) and not C.is_random(draft):
         raise FileNotFoundError(f"drafter checkpoint {draft} not found (pass --draft, or --draft '' for AR only)")
     return ckpt, draft
 
@@ -330,10 +339,11 @@ def bench_e2e(a, device, dtype) -> dict:
     import generate as G
     ckpt, draft_dir = _e2e_paths(a)
     target = C.load_model(ckpt, device, dtype, progress=False)
-    drafter = D.load_drafter(draft_dir, target.args, device, dtype) if draft_dir else None
+    drafter = C.load_drafter(draft_dir, target.args, device, dtype) if draft_dir else None
     prompts = load_prompts(a.prompts, a.n_prompts)
     prompt_ids, tok_note = encode_prompts(prompts, a.tokenizer or ckpt, target.args.vocab_size, a.chat)
-    widest = max(a.budgets + [drafter.block_size if drafter else 1])
+    widest = max([max(G.AUTO_BUDGETS) if b == "auto" else b for b in a.budgets]
+                 + [drafter.block_size if drafter else 1])
     max_seq_len = a.max_seq_len or max(map(len, prompt_ids)) + a.max_new_tokens + widest + 8
     print0(f"\n## e2e: {ckpt}" + (f" + drafter {draft_dir}" if draft_dir else " (no drafter: AR only)")
            + f" on {device}, {str(dtype).replace('torch.', '')}")
@@ -371,7 +381,7 @@ def bench_batch(a, device, dtype) -> dict:
     import generate as G
     ckpt, draft_dir = _e2e_paths(a)
     target = C.load_model(ckpt, device, dtype, progress=False)
-    drafter = D.load_drafter(draft_dir, target.args, device, dtype) if draft_dir else None
+    drafter = C.load_drafter(draft_dir, target.args, device, dtype) if draft_dir else None
     prompts = load_prompts(a.prompts, a.n_prompts)
     prompt_ids, _ = encode_prompts(prompts, a.tokenizer or ckpt, target.args.vocab_size, a.chat)
     budget = a.budgets[0]
@@ -415,6 +425,13 @@ def print_e2e(runs: list[dict]) -> None:
                   "tree ms", "verify ms", "commit ms", "RSS GiB", "CUDA GiB", "lossless", "accept histogram"], rows))
     print0("stage times are per verify step (eager loop, GPU synchronized after every stage); RSS is the process "
            "peak so far; lossless: greedy output == greedy autoregressive output on every prompt")
+    for r in runs:
+        if r["mode"] == "auto":    # its choices, and how it compares with the fastest fixed choice of this run
+            fixed = [x for x in runs if x["temperature"] == r["temperature"] and x["mode"] in ("ar", "ddtree")]
+            best = max(fixed, key=lambda x: x["tokens_per_s"])
+            print0(f"auto at temperature {r['temperature']:g}: steps per budget {r['budget_mix']} (0: one token); "
+                   f"{r['tokens_per_s'] / best['tokens_per_s']:.2f}x the fastest fixed mode "
+                   f"({best['mode']}{' ' + str(best['budget']) if best['budget'] else ''})")
     bad = [r for r in runs if r["lossless"] is False]
     if bad:
         print0("lossless NO: in bf16 a near-tie can flip when the verify width changes kernel paths "
@@ -424,46 +441,6 @@ def print_e2e(runs: list[dict]) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # layers: one K2.6-shaped block with random weights, latency vs byte floor, projection to the model
-
-
-def k26_text_config(scale: str) -> dict:
-    """Kimi K2.6's text config; scale 'tiny' shrinks every dimension
-    (and keeps them divisible by TP 8 and the INT4 group of 32)."""
-    cfg = dict(model_type="kimi_k2", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
-               moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
-               q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-               n_routed_experts=384, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1,
-               moe_layer_freq=1, n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
-               norm_topk_prob=True, routed_scaling_factor=2.827, rms_norm_eps=1e-5, rope_theta=50000.0,
-               rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=4096, beta_fast=32.0,
-                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-               max_position_embeddings=262144, tie_word_embeddings=False, bos_token_id=163584,
-               eos_token_id=163585, hidden_act="silu", attention_bias=False)
-    if scale == "tiny":
-        cfg.update(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
-                   num_attention_heads=8, num_key_value_heads=8, q_lora_rank=96, kv_lora_rank=64,
-                   qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16,
-                   num_experts_per_tok=2, bos_token_id=0, eos_token_id=1)
-    return cfg
-
-
-@torch.no_grad()
-def randomize_block_(block: torch.nn.Module, seed: int) -> None:
-    """Random weights: linear weights ~ N(0, 1/in_features), norms 1, correction bias 0, INT4 experts random
-    words (every nibble equally likely) with scales ~0.01. A random router spreads tokens over experts."""
-    dev = next(block.parameters()).device
-    g = torch.Generator(device=dev).manual_seed(seed)
-    for name, p in block.named_parameters():
-        if p.dtype == torch.int32:
-            p.random_(-2**31, 2**31, generator=g)
-        elif name.endswith("_scale"):
-            p.uniform_(0.005, 0.015, generator=g)
-        elif "norm" in name:
-            p.fill_(1.0)
-        elif "e_score_correction_bias" in name:
-            p.zero_()
-        else:
-            p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
 
 
 @contextlib.contextmanager
@@ -483,13 +460,14 @@ def per_rank_build(tp: int, device, dtype):
 
 
 def build_block(cfg: dict, layer_id: int, tp: int, device, dtype, seed: int) -> tuple[M.ModelArgs, M.Block]:
-    """One model.Block of `cfg` with rank 0's per-rank shapes at tensor parallel size tp (see per_rank_build)."""
+    """One model.Block of `cfg` with rank 0's per-rank shapes at tensor parallel size tp (see per_rank_build),
+    holding the random weights of layer `layer_id` of checkpoint.random_model."""
     args = M.ModelArgs.from_config(C.k26_config(cfg, 32))
     M.check_tp_divisibility(args, tp)
     with per_rank_build(tp, device, dtype):
         block = M.Block(layer_id, args)
+        C.randomize_(block, seed, prefix=f"layers.{layer_id}.")
     block.requires_grad_(False)
-    randomize_block_(block, seed)
     return args, block.eval()
 
 
@@ -881,21 +859,6 @@ def bench_allreduce(a, device, dtype, n_graph: int = 61) -> dict:
     return {"world_size": M.world_size, "hidden": D, "rows": rows}
 
 
-def k26_draft_config(scale: str) -> dict:
-    """The Kimi K2.6 DFlash drafter's config; 'tiny' shrinks it for CPU smoke tests."""
-    cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=7168, intermediate_size=18432,
-               num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128, hidden_act="silu",
-               rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=262144, attention_bias=False,
-               rope_scaling=dict(rope_type="yarn", factor=64.0, original_max_position_embeddings=4096,
-                                 beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-               vocab_size=163840, tie_word_embeddings=False, block_size=8, num_target_layers=61,
-               dflash_config=dict(mask_token_id=163838, target_layer_ids=[1, 12, 24, 35, 47, 58]))
-    if scale == "tiny":
-        cfg.update(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=8, head_dim=32,
-                   vocab_size=1024, dflash_config=dict(mask_token_id=1022, target_layer_ids=[1, 12, 24, 35, 47, 58]))
-    return cfg
-
-
 @torch.no_grad()
 def bench_draft(a, device, dtype) -> dict:
     """One drafter forward (block_size tokens + block_size new context rows, ctx cached) of the K2.6 DFlash
@@ -909,8 +872,7 @@ def bench_draft(a, device, dtype) -> dict:
     for tp in sorted({1, a.tp}):
         with per_rank_build(tp, device, dtype):
             drafter = Dr.DFlashDrafter(args)
-        for p_ in drafter.parameters():
-            p_.normal_(0.0, p_.shape[-1] ** -0.5) if p_.dim() > 1 else p_.fill_(1.0)
+            C.randomize_(drafter, a.seed, prefix="draft.")
         nbytes = param_bytes(drafter)
         for ctx in a.ctx:
             drafter.setup_cache(1, ctx + 2 * args.block_size)
@@ -1201,7 +1163,7 @@ def bench_step(a, device, dtype) -> dict:
     import generate as G
     ckpt, draft_dir = _e2e_paths(a)
     target = C.load_model(ckpt, device, dtype, progress=False)
-    drafter = D.load_drafter(draft_dir, target.args, device, dtype) if draft_dir else None
+    drafter = C.load_drafter(draft_dir, target.args, device, dtype) if draft_dir else None
     ids = encode_prompts(load_prompts(a.prompts, 1), a.tokenizer or ckpt, target.args.vocab_size, a.chat)[0][0]
     modes = a.step_modes or (["static", "graph", "graph+compile"] if device.type == "cuda" else ["static"])
     print0(f"\n## step: {ckpt} on {device}, {str(dtype).replace('torch.', '')}, first prompt ({len(ids)} tokens), "
@@ -1216,7 +1178,7 @@ def bench_step(a, device, dtype) -> dict:
                        max_seq_len=len(ids) + 16 + 2 * (budget + 1) + 64)   # compiles / captures the step
             (runner,) = G.Step.cache.values()
             restore = runner.snapshot()
-            step = lambda: runner.run(budget > 0)  # the plain, compiled or captured step; no host read
+            step = lambda: runner.run(budget)      # the plain, compiled or captured step; no host read
             restore(), step()
             first = runner.out.clone()            # [1, N+1]: accept length, committed tokens
             us = _event_median_us(step, restore, device)
@@ -1526,6 +1488,10 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+def _budgets(s: str) -> list:
+    return [x.strip() if x.strip() == "auto" else int(x) for x in s.split(",") if x.strip()]
+
+
 def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x.strip()]
 
@@ -1539,14 +1505,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-mode", choices=["eager", "static", "graph", "compile", "graph+compile"], default="eager",
                    help="e2e decode loop: the eager reference, the fixed-shape step, that step as a CUDA graph, or compiled")
     e = p.add_argument_group("e2e (and the peer's e2e)")
-    e.add_argument("--ckpt", default=None, help="target checkpoint dir (default: the bundled checkpoints/tiny-k2)")
+    e.add_argument("--ckpt", default=None, help="target checkpoint dir (default: the bundled checkpoints/tiny-k2), "
+                   "or random:k2.6 / random:tiny: K2.6's shapes with random weights, no checkpoint")
     e.add_argument("--draft", default=None, help="DFlash drafter dir (default: the bundled one with the bundled "
-                                                 "target; '' for AR only)")
+                                                 "target, random:<name>-dflash with random:<name>; '' for AR only)")
     e.add_argument("--tokenizer", default=None, help="dir with tiktoken.model (default: --ckpt)")
     e.add_argument("--prompts", default=PROMPTS_FILE, help="prompt set (JSON: {prompts: [{category, text}]}), or a "
                    "held-out file list (.txt, e.g. checkpoints/heldout_files.txt: windows of those stdlib files)")
     e.add_argument("--n-prompts", type=int, default=0, help="use the first N prompts (0: all)")
-    e.add_argument("--budgets", type=_ints, default=[1, 2, 4, 8, 16, 32, 64], help="DDTree node budgets")
+    e.add_argument("--budgets", type=_budgets, default=[1, 2, 4, 8, 16, 32, 64],
+                   help="DDTree node budgets; auto: generate.py's --budget auto (e.g. auto,8)")
     e.add_argument("--temperature", type=_floats, default=[0.0, 1.0], help="comma-separated, e.g. 0 or 0,1")
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--max-seq-len", type=int, default=0, help="KV cache length (0: longest prompt + new + tree)")
@@ -1590,8 +1558,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--T values must lie in [1, 64] (the tree kernel's mask word), got {a.T}")
     if a.tp < 1:
         p.error(f"--tp must be >= 1, got {a.tp}")
-    if any(b < 1 for b in a.budgets):
-        p.error(f"--budgets must be >= 1, got {a.budgets}")
+    if any(b != "auto" and b < 1 for b in a.budgets):
+        p.error(f"--budgets must be >= 1 or auto, got {a.budgets}")
+    if "auto" in a.budgets and (a.mode != "e2e" or a.batch):
+        p.error("--budgets auto: e2e only (not --batch)")
     return a
 
 

@@ -10,21 +10,26 @@ Reads:
     or weight (float), stacked into model.Experts without ever being dequantized.
 Writes: the same K2.6 layout (k26_config, save_checkpoint, quantize_int4, pack_int4; hf_state_dict is the loader's
 inverse), for the tests and the bundled tiny model.
+Random (no checkpoint): `random:k2.6` / `random:tiny` (and their `-dflash` drafters) name Kimi K2.6's configs, real
+size or shrunk; random_model / random_drafter build them on each rank's device in the per-rank layout and fill
+them with seeded random values that do not depend on the TP size (randomize_).
 
 Invariant: load_checkpoint fills every parameter of a model exactly once, with this rank's tensor-parallel slice
 (read with safetensors' get_slice, so a rank never holds the whole checkpoint), or raises CheckpointError naming
 the tensor and its file (a missing, unexpected, duplicate, misshapen, mistyped or non-finite tensor).
 
-Tests: python -m pytest -q tests/test_model.py tests/test_int4_checkpoint.py
+Tests: python -m pytest -q tests/test_model.py tests/test_int4_checkpoint.py tests/test_random.py
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import resource
 import sys
 import time
+import zlib
 
 import torch
 
@@ -49,6 +54,8 @@ def read_config(path_or_dict, name: str = "config") -> tuple[dict, str]:
     """A config dict, or a checkpoint dir / config.json path -> (dict, where) for error messages."""
     if isinstance(path_or_dict, dict):
         return path_or_dict, name
+    if is_random(path_or_dict):
+        return random_config(path_or_dict), path_or_dict
     where = str(path_or_dict)
     check_dir(where)
     if os.path.isdir(where):
@@ -244,19 +251,34 @@ def _check_dtype(name, fname, got: torch.dtype, want: torch.dtype):
         raise CheckpointError(f"tensor {name} in {fname} has dtype {got}, expected {want}")
 
 
-def load_model(ckpt: str, device, dtype: torch.dtype, progress: bool = True) -> M.Transformer:
-    """Build the target directly on `device` in `dtype` (its config checked against the TP size first) and load it."""
-    args = model_args(ckpt)
-    M.check_tp_divisibility(args, M.world_size)
+def build(make, device, dtype: torch.dtype):
+    """make() with `device` and `dtype` as the defaults: the module is allocated where it runs, in its final dtype
+    (no fp32 copy of the weights, nothing on the host first)."""
     old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)       # allocate in the final dtype: no fp32 copy of the weights
+    torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = M.Transformer(args)
+            return make()
     finally:
         torch.set_default_dtype(old)
+
+
+def load_model(ckpt: str, device, dtype: torch.dtype, progress: bool = True) -> M.Transformer:
+    """Build the target directly on `device` in `dtype` (its config checked against the TP size first) and load it.
+    ckpt `random:<name>`: random_model instead."""
+    if is_random(ckpt):
+        return random_model(ckpt, device, dtype)
+    args = model_args(ckpt)
+    M.check_tp_divisibility(args, M.world_size)
+    model = build(lambda: M.Transformer(args), device, dtype)
     load_checkpoint(model, ckpt, progress=progress)
     return model.eval()
+
+
+def load_drafter(path: str, target_args: M.ModelArgs, device, dtype: torch.dtype):
+    """draft.load_drafter(path, ...), or random_drafter for a `random:<name>-dflash` path."""
+    import draft as Dr     # draft.py imports this module
+    return (random_drafter if is_random(path) else Dr.load_drafter)(path, target_args, device, dtype)
 
 
 @torch.no_grad()
@@ -517,9 +539,10 @@ def save_checkpoint(state: dict[str, torch.Tensor], config: dict, out_dir: str, 
         json.dump(config, f, indent=2)
 
 
-def hf_state_dict(model: M.Transformer) -> dict[str, torch.Tensor]:
+def hf_state_dict(model: M.Transformer, int4: bool = False) -> dict[str, torch.Tensor | tuple]:
     """Our (TP=1) parameters under HF names ('model.layers.N...', 'lm_head.weight'), experts unstacked
-    (dequantized to float if INT4). Inverse of load_checkpoint; used by export and tests."""
+    (dequantized to float if INT4; int4=True: as the (q int8, scale) pairs they hold, which save_checkpoint writes
+    back word for word). Inverse of load_checkpoint; used by export and tests."""
     assert M.world_size == 1, "hf_state_dict is for a single-rank model"
     out = {}
     for name, p in model.named_parameters():
@@ -531,12 +554,204 @@ def hf_state_dict(model: M.Transformer) -> dict[str, torch.Tensor]:
             continue
         ex = layer.mlp.experts
         for e in range(model.args.n_routed_experts):
+            base = f"model.layers.{l}.mlp.experts.{e}."
+            if ex.quant and int4:
+                q13, s13, n = M.unpack_int4(ex.w13_packed[e]), ex.w13_scale[e], ex.inter
+                out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = (q13[:n], s13[:n]), (q13[n:], s13[n:])
+                out[base + "down_proj.weight"] = (M.unpack_int4(ex.w2_packed[e]), ex.w2_scale[e])
+                continue
             if ex.quant:
                 w13 = M.dequant_int4(ex.w13_packed[e], ex.w13_scale[e], ex.quant.group_size)
                 w2 = M.dequant_int4(ex.w2_packed[e], ex.w2_scale[e], ex.quant.group_size)
             else:
                 w13, w2 = ex.w13[e].detach(), ex.w2[e].detach()
-            base = f"model.layers.{l}.mlp.experts.{e}."
             out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = w13.chunk(2, dim=0)
             out[base + "down_proj.weight"] = w2
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Kimi K2.6's shapes with random weights, no checkpoint: `--ckpt random:k2.6` (bench.py e2e, generate.py) builds
+# the whole 61-layer model and its 6-layer DFlash drafter on each rank's device, in the per-rank layout that
+# load_checkpoint fills. Step times mean something; acceptance does not.
+
+
+def k26_text_config(scale: str) -> dict:
+    """Kimi K2.6's text config; scale 'tiny' shrinks every dimension
+    (and keeps them divisible by TP 8 and the INT4 group of 32)."""
+    cfg = dict(model_type="kimi_k2", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+               moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
+               q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+               n_routed_experts=384, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1,
+               moe_layer_freq=1, n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
+               norm_topk_prob=True, routed_scaling_factor=2.827, rms_norm_eps=1e-5, rope_theta=50000.0,
+               rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+               max_position_embeddings=262144, tie_word_embeddings=False, bos_token_id=163584,
+               eos_token_id=163585, hidden_act="silu", attention_bias=False)
+    if scale == "tiny":
+        cfg.update(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                   num_attention_heads=8, num_key_value_heads=8, q_lora_rank=96, kv_lora_rank=64,
+                   qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16,
+                   num_experts_per_tok=2, bos_token_id=0, eos_token_id=1)
+    return cfg
+
+
+def k26_draft_config(scale: str) -> dict:
+    """The Kimi K2.6 DFlash drafter's config; 'tiny' shrinks it for CPU smoke tests."""
+    cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=7168, intermediate_size=18432,
+               num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+               rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=262144, attention_bias=False,
+               rope_scaling=dict(rope_type="yarn", factor=64.0, original_max_position_embeddings=4096,
+                                 beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+               vocab_size=163840, tie_word_embeddings=False, block_size=8, num_target_layers=61,
+               dflash_config=dict(mask_token_id=163838, target_layer_ids=[1, 12, 24, 35, 47, 58]))
+    if scale == "tiny":
+        cfg.update(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=8, head_dim=32,
+                   vocab_size=1024, dflash_config=dict(mask_token_id=1022, target_layer_ids=[1, 12, 24, 35, 47, 58]))
+    return cfg
+
+
+RANDOM_MODELS = {            # name -> its config.json, as the checkpoint would ship it (INT4 routed experts)
+    "random:k2.6": lambda: k26_config(k26_text_config("real")),
+    "random:k2.6-dflash": lambda: k26_draft_config("real"),
+    "random:tiny": lambda: k26_config(k26_text_config("tiny")),
+    "random:tiny-dflash": lambda: k26_draft_config("tiny"),
+}
+
+
+def is_random(path) -> bool:
+    """A `random:<name>` model instead of a checkpoint directory."""
+    return isinstance(path, str) and path.startswith("random:")
+
+
+def random_config(name: str) -> dict:
+    if name not in RANDOM_MODELS:
+        raise ValueError(f"{name}: no such random model (expected one of {', '.join(RANDOM_MODELS)})")
+    return RANDOM_MODELS[name]()
+
+
+def random_model(config, device, dtype: torch.dtype, seed: int = 0) -> M.Transformer:
+    """The target of `config` (a random:<name>, or any config model_args reads) built on `device` in `dtype` at this
+    rank's TP coordinates, every parameter filled by randomize_: the tensors load_checkpoint would fill, random."""
+    args = model_args(config)
+    M.check_tp_divisibility(args, M.world_size)
+    model = build(lambda: M.Transformer(args), device, dtype)
+    randomize_(model, seed)
+    return model.eval()
+
+
+def random_drafter(config, target_args: M.ModelArgs | None, device, dtype: torch.dtype, seed: int = 0):
+    """The DFlash drafter of `config` (random:<name>-dflash or a drafter config), as draft.load_drafter builds it,
+    filled by randomize_ (its names prefixed 'draft.', so no drafter weight repeats a target weight)."""
+    import draft as Dr     # draft.py imports this module
+    args = Dr.DraftArgs.from_config(config)
+    if target_args is not None:
+        Dr.check_compatible(args, target_args)
+    drafter = build(lambda: Dr.DFlashDrafter(args), device, dtype)    # checks the TP divisibility first
+    randomize_(drafter, seed, prefix="draft.")
+    return drafter.eval()
+
+
+class IdTokenizer:
+    """What generate.py decodes a random model's output with: no tokenizer covers its ids, so each id reads as
+    <id>, and prompts come as token ids (--prompt-ids)."""
+    vocab_size = 0              # no ids of its own: any model's ids decode
+    stop_ids = frozenset()
+
+    def decode_bytes(self, ids) -> bytes:
+        return "".join(f"<{i}>" for i in ids).encode()
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode()
+
+    def encode(self, text: str, *args, **kw) -> list[int]:
+        raise ValueError("a random:<name> model has no tokenizer: give the prompt as --prompt-ids")
+
+    apply_chat_template = encode
+
+
+_INT4_SQUARE = 21.5   # mean of q^2 over the 16 INT4 values q in [-8, 7]: a random word's nibbles
+
+
+@torch.no_grad()
+def randomize_(module: torch.nn.Module, seed: int = 0, prefix: str = "") -> None:
+    """Fill every parameter in place: RMSNorm gains 1, biases 0 (the router's correction bias too), INT4 experts
+    random words (every nibble equally likely) with scales around 1 / sqrt(21.5 in_features), every other weight
+    uniform with variance 1 / in_features (activations keep their scale through the 61 layers).
+
+    Each element is a function of (seed, prefix + parameter name, its index in the full, unsharded tensor), a
+    32-bit hash, never of a generator's position: a rank fills only its own slice (module built at model.world_size
+    and model.rank), and every TP size holds the same model (TP=N logits == TP=1 logits)."""
+    params = dict(module.named_parameters())
+    for name, p in params.items():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+            continue
+        if name.endswith("bias"):
+            p.zero_()
+            continue
+        view, full, sd = _sharding(name, p)
+        key = zlib.crc32(f"{seed}:{prefix}{name}".encode())
+        if p.dtype == torch.int32:                       # packed INT4 words, as signed int32
+            value = lambda h: torch.where(h >= 2**31, h - 2**32, h)
+        elif name.endswith("_scale"):
+            n_in = _sharding(name[:-len("scale")] + "packed", params[name[:-len("scale")] + "packed"])[1][-1] * 8
+            s = (_INT4_SQUARE * n_in) ** -0.5
+            value = lambda h, s=s: _uniform(h, 0.5 * s, 1.5 * s)
+        else:
+            a = 3 ** 0.5 * full[-1] ** -0.5               # uniform on [-a, a]: variance 1 / in_features
+            value = lambda h, a=a: _uniform(h, -a, a)
+        for rows, h in _element_hashes(view, full, sd, key):
+            view[rows].copy_(value(h))
+
+
+def _sharding(name: str, p: torch.Tensor) -> tuple[torch.Tensor, tuple, int | None]:
+    """(a view of p, the full shape, the split dim): p as this rank's slice of one unsharded tensor, the one the
+    checkpoint stores. The stacked experts' w13* hold each expert's gate rows then up rows, each split by rows:
+    [E, 2n, X] is viewed as [E, 2, n, X] and split on dim 2; w2* [E, D, X] are split by columns."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("w13", "w13_packed", "w13_scale"):
+        E, n2, X = p.shape
+        return p.view(E, 2, n2 // 2, X), (E, 2, n2 // 2 * M.world_size, X), 2
+    if leaf in ("w2", "w2_packed", "w2_scale"):
+        E, D, X = p.shape
+        return p, (E, D, X * M.world_size), 2
+    sd = getattr(p, "shard_dim", None)
+    full = list(p.shape)
+    if sd is not None:
+        full[sd] *= M.world_size
+    return p, tuple(full), sd
+
+
+def _element_hashes(view: torch.Tensor, full: tuple, sd: int | None, key: int, chunk: int = 2**24):
+    """(rows of view, a 32-bit hash of each of their elements' index in the full tensor xor key), a chunk of at most
+    `chunk` elements at a time (bounded temporaries at K2.6 size), on view's device."""
+    if math.prod(full) >= 2**32:
+        raise ValueError(f"a {list(full)} tensor has more elements than the 32-bit index that randomize_ hashes")
+    step = max(1, chunk // max(1, math.prod(view.shape[1:])))
+    for start in range(0, view.shape[0], step):
+        rows = slice(start, min(start + step, view.shape[0]))
+        idx, stride = torch.zeros((), dtype=torch.int64, device=view.device), 1
+        for d in reversed(range(view.dim())):          # row-major index in the full tensor, built per dim
+            n = rows.stop - rows.start if d == 0 else view.shape[d]
+            first = (rows.start if d == 0 else 0) + (M.rank * view.shape[d] if d == sd else 0)
+            pos = torch.arange(first, first + n, device=view.device)                      # [n]
+            idx = idx + (pos * stride).view(-1, *[1] * (view.dim() - 1 - d))
+            stride *= full[d]
+        yield rows, _hash32(idx ^ key)                                                    # [rows, ...] int64
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds, constants from Chris Wellons' hash-prospector): int64 in
+    [0, 2^32) -> int64 in [0, 2^32). Both multipliers are below 2^31, so no int64 product overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & 0xFFFFFFFF
+    return x ^ (x >> 15)
+
+
+def _uniform(h: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """A hash's top 24 bits -> fp32 in (lo, hi)."""
+    return ((h >> 8).float() + 0.5) * ((hi - lo) * 2.0**-24) + lo
