@@ -132,6 +132,8 @@ class View(NamedTuple):
 class Step:
     """One decoding step for a batch of rows, written once: spec (1 draft, 2 build tree, 3 verify, 4 accept,
     5 commit) and its autoregressive twin ar, on fixed-shape buffers updated in place, with no host sync inside.
+    One Step runs any of its budgets (a function, compiled or captured, per budget) on the same state: every token
+    it commits, one-token steps' too, joins the drafter's context, so the next draft sees them all.
     Every input a step reads lives in a buffer the step itself rewrites, never a fresh tensor (a captured graph
     keeps reading the tensors it was captured with). Row b uses cache row b. A finished row is masked, not
     removed: it commits nothing, and its step writes land past its last token, where nothing reads them."""
@@ -336,16 +338,20 @@ class AutoBudget:
     machine: its running mean of tokens committed per step over its running mean of step seconds. Why measure both:
     a tree pays only while the tokens it adds outweigh its cost beyond one token; the first depends on the text and
     the temperature (at temperature 1 the drafter is right less often), the second on the machine.
-    Every budget runs once first (timed from its second run when the first compiled or captured a graph). Then the
-    least recently run other budget is probed once the time since it last ran is 1 / PROBE_SHARE times what the
-    probe loses against the best: cheap probes come often, costly ones rarely, and a budget that lost on hard text
-    wins again when the text gets easier. A mean's past counts less the longer ago its budget ran."""
-    KEEP = 0.8            # weight of the past in a running mean, per step since its budget last ran
-    PROBE_SHARE = 0.005   # each other budget's probes cost at most this share of the decoding time
+    Every budget runs once first (timed from its second run when the first compiled or captured a graph). Then
+    another budget is probed once what the probe loses against the best is a small share of the time since it last
+    ran: PROBE_SHARE, or HOPE_SHARE for a budget whose long-run record would beat the best now (a hard stretch of
+    text, which may end soon). The running means weigh each run by KEEP ** (steps since): a budget that just came
+    back is judged on its few new runs, one that keeps running on about its last 20."""
+    KEEP = 0.95           # the weight of a run in the running means, per step since it ran
+    PROBE_SHARE = 0.01    # the probes together cost at most this share of the decoding time ...
+    HOPE_SHARE = 0.1      # ... or this share for budgets whose record beats the best
+    RECORD = 0.99         # the weight of a run in the record (tokens per step), per later run of its budget
 
     def __init__(self, budgets: tuple[int, ...]):
-        self.tokens, self.seconds = {}, {}          # budget -> running means: tokens per row and step; step seconds
-        self.last = dict.fromkeys(budgets, (0, 0.0))   # budget -> (step, clock) when it last ran
+        # budget -> (mean, weight) of: tokens per row and step, step seconds, and the long-run tokens per step
+        self.tokens, self.seconds, self.record = {}, {}, {}
+        self.last = dict.fromkeys(budgets, (0, 0.0))          # budget -> (step, clock) when it last ran
         self.steps, self.clock = 0, 0.0             # steps so far; seconds of timed steps so far
 
     def pick(self, fits: list[int]) -> int:
@@ -353,20 +359,26 @@ class AutoBudget:
         new = [b for b in fits if b not in self.seconds]
         if new:
             return new[0]
-        rate = {b: self.tokens[b] / self.seconds[b] for b in fits}                  # tokens per second
+        rate = {b: self.tokens[b][0] / self.seconds[b][0] for b in fits}             # tokens per second
         best = max(fits, key=rate.get)
-        # a probe of b loses the time b takes beyond what best would take for b's tokens
-        due = [b for b in fits if b != best and self.seconds[b] - self.tokens[b] / rate[best]
-               <= self.PROBE_SHARE * (self.clock - self.last[b][1])]
-        return min(due, key=self.last.get) if due else best
 
-    def record(self, budget: int, tokens: float, seconds: float, timed: bool = True) -> None:
+        def due(b) -> bool:    # a probe of b loses the time b takes beyond what best would take for b's tokens
+            hope = self.record[b][0] / self.seconds[b][0] > rate[best]
+            share = (self.HOPE_SHARE if hope else self.PROBE_SHARE) / (len(fits) - 1)
+            return self.seconds[b][0] - self.tokens[b][0] / rate[best] <= share * (self.clock - self.last[b][1])
+        probes = [b for b in fits if b != best and due(b)]
+        return min(probes, key=self.last.get) if probes else best
+
+    def observe(self, budget: int, tokens: float, seconds: float, timed: bool = True) -> None:
         """A step ran: tokens committed per decoding row and, unless it compiled or captured, its seconds."""
         self.steps += 1
-        keep = self.KEEP ** (self.steps - self.last[budget][0])
-        for means, x in ((self.tokens, tokens), (self.seconds, seconds if timed else None)):
+        fade = self.KEEP ** (self.steps - self.last[budget][0])       # what the earlier runs' weight has become
+        for means, x, keep in ((self.tokens, tokens, fade), (self.seconds, seconds if timed else None, fade),
+                               (self.record, tokens, self.RECORD)):
             if x is not None:
-                means[budget] = keep * means[budget] + (1 - keep) * x if budget in means else x
+                mean, weight = means.get(budget, (0.0, 0.0))
+                weight = keep * weight + 1
+                means[budget] = (mean + (x - mean) / weight, weight)
         self.clock += seconds if timed else 0.0
         self.last[budget] = (self.steps, self.clock)
 
@@ -458,7 +470,7 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
             check_ranks_agree(rows)
         if control is not None:          # the lap already taken: tokens per decoding row, the step's seconds
             live = [len(new) for b, new in enumerate(rows) if not done[b]]
-            control.record(size, sum(live) / len(live), sum(clock.laps.values()), timed=not step.fresh)
+            control.observe(size, sum(live) / len(live), sum(clock.laps.values()), timed=not step.fresh)
         # 6. stream each row's committed tokens; a row stops on a stop token or the length limit
         for b, new in enumerate(rows):
             if not done[b]:

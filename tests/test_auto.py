@@ -157,13 +157,18 @@ def test_controller_leaves_a_tree_that_loses_and_comes_back(monkeypatch):
         picks = []
         for _ in range(steps):
             picks.append(c.pick([0, 4, 8]))
-            c.record(picks[-1], tokens[picks[-1]], cost[picks[-1]])
+            c.observe(picks[-1], tokens[picks[-1]], cost[picks[-1]])
         return picks
     hard = run(600, {0: 1, 4: 1, 8: 1})
     assert hard[:3] == [0, 4, 8]
     assert hard[100:].count(0) / 500 > 0.97 and {4, 8} <= set(hard[100:])       # probes, rare
     easy = run(600, {0: 1, 4: 3, 8: 4.5})                                        # 8: 2.5 tokens/s, 4: 2, AR: 1
     assert easy[-300:].count(8) / 300 > 0.9
+    # a stretch of hard text: one token per step, the tree probed often (its record is good); then back to it soon
+    hard = run(150, {0: 1, 4: 1, 8: 1})
+    assert hard[-75:].count(0) / 75 > 0.7
+    easy = run(100, {0: 1, 4: 3, 8: 4.5})
+    assert easy[25:].count(8) / 75 > 0.9
 
 
 @pytest.mark.parametrize("drafts", ["adversarial", "perfect"])
@@ -190,10 +195,10 @@ def test_controller_times_a_budget_from_its_second_run():
     """A step that compiled or captured a graph is not timed: its budget runs again before the controller trusts
     it; the first choice among what fits."""
     c = G.AutoBudget((0, 4))
-    c.record(0, 1, 0.01)
-    c.record(4, 3, 9.0, timed=False)                  # a capture
+    c.observe(0, 1, 0.01)
+    c.observe(4, 3, 9.0, timed=False)                  # a capture
     assert c.pick([0, 4]) == 4 and c.pick([0]) == 0
-    c.record(4, 3, 0.02)
+    c.observe(4, 3, 0.02)
     assert c.pick([0, 4]) == 4                         # 150 tokens/s against 100
 
 
