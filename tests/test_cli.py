@@ -219,9 +219,16 @@ def test_system_and_thinking_reach_the_template(ckpt, monkeypatch, capsys):
     monkeypatch.setattr(G, "generate", lambda target, ids, *a, **k: seen.append(ids) or [])
     tok = Tokenizer.from_dir(ckpt)
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    # transformers renders the same template file: the CLI's prompt is that string, token for token
+    from tokenizers import Tokenizer as HFTokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    hf = PreTrainedTokenizerFast(tokenizer_object=HFTokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
+                                 unk_token="[UNK]")
+    hf.chat_template = tok.chat_template
     for flags, kw in [([], {}), (["--thinking"], {"thinking": True}), (["--no-thinking"], {"thinking": False})]:
         assert G.main(["--ckpt", str(ckpt), "--prompt", "hi", "--system", "be brief", "--quiet", *flags]) == 0
         assert seen[-1] == tok.apply_chat_template(msgs, **kw), flags
+        assert tok.decode(seen[-1]) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
     assert seen[1] != seen[2] and "be brief" in tok.decode(seen[0])
 
 

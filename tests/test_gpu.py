@@ -114,3 +114,18 @@ def test_compiled_bf16_keeps_acceptance():
             lens += st.accept_lens
         accept[mode] = sum(lens) / len(lens)
     assert accept["graph+compile"] >= 0.95 * accept["graph"], accept
+
+
+def test_trace_reads_graph_steps_as_eager(tmp_path):
+    """--trace with --cuda-graph: each replay's View (the captured step's outputs) is read after the replay, and the
+    page's records (trees, the target's tokens, accepted paths, committed tokens) equal the eager run's."""
+    from trace_page import Trace
+    target, drafter = _pair(tmp_path, torch.float32)
+    prompt, records = list(range(3, 40)), {}
+    for mode in ("eager", "graph"):
+        trace, stats = Trace(lambda ids: " ".join(map(str, ids)), {"budget": 8}), G.Stats()
+        trace.begin([prompt], stats)
+        G.generate(target, prompt, 40, drafter=drafter, budget=8, max_seq_len=320, mode=mode, on_step=trace.on_step,
+                   stats=stats)
+        records[mode] = [(s.tokens, s.parents, s.targets, s.path, s.new) for s in trace.runs[0][0].steps]
+    assert len(records["eager"]) >= 5 and records["graph"] == records["eager"]
