@@ -1,8 +1,9 @@
 """Generate text with Kimi K2.6 (or the bundled tiny K2-architecture model): autoregressive, DFlash chain,
 or DDTree speculative decoding.
 
-    python generate.py                                    # bundled tiny model + drafter, a code prompt, CPU ok
-    python generate.py --prompt "def fib(n):" --budget 16 --show-tree
+    python generate.py --raw --prompt "def fib(n):"       # the bundled tiny pair continues code (CPU ok)
+    python generate.py --raw --prompt "def fib(n):" --budget 16 --show-tree --trace step.html
+    python generate.py                                    # a terminal on stdin: chat through the chat template
     torchrun --nproc-per-node 8 generate.py --ckpt <Kimi-K2.6 dir> --draft <DFlash dir> --prompt "Hi" --cuda-graph
     torchrun --nproc-per-node 8 generate.py --ckpt random:k2.6 --prompt-ids 1,2,3 --cuda-graph   # no download
 
@@ -35,13 +36,11 @@ import verify as V
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUNDLED_TARGET = os.path.join(HERE, "checkpoints", "tiny-k2")
 BUNDLED_DRAFT = os.path.join(HERE, "checkpoints", "tiny-k2-dflash")
-MAX_BUDGET = 1024      # verify width B+1; above 63 the attention takes the reference path (see model.MLA)
+MAX_BUDGET = 1024      # verify width B+1; above 64 rows the tree attention runs its PyTorch reference
 # torch.compile of the step rounds every intermediate to the model dtype where eager does: without it inductor keeps
 # fused intermediates in fp32, a slightly different bf16 target from the eager one the drafter was distilled
 # against, and the compiled step accepts fewer draft tokens. fp32 is unaffected.
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
-
-DEFAULT_PROMPT = "def parse_args(argv=None):\n    \"\"\"Parse command line arguments.\"\"\"\n    parser = "
 
 
 def compile_options() -> dict:
