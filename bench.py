@@ -525,6 +525,11 @@ def step_bytes(block: M.Block, ids: torch.Tensor | None, ctx: int, T: int, kv_ro
     return b
 
 
+def use_triton(device) -> bool:
+    """Whether the Triton kernels may run on this device at all; each kernel's fits() adds its own conditions."""
+    return kernels.HAS_TRITON and kernels.ENABLED and torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
 def uniform_union(n_experts: int, k: int, T: int) -> float:
     """Expected distinct experts when T tokens each pick k of n uniformly."""
     return n_experts * (1 - (1 - k / n_experts) ** T)
@@ -851,14 +856,13 @@ def bench_draft(a, device, dtype) -> dict:
     """One drafter forward (block_size tokens + block_size new context rows, ctx cached) of the K2.6 DFlash
     drafter: replicated (every rank runs all of it) vs tensor-parallel per-rank shapes at a.tp plus its
     2 * layers + 1 all-reduces at --allreduce-us each."""
-    import draft as Dr
     cfg = k26_draft_config(_scale(a, device))
-    args = Dr.DraftArgs.from_config(cfg)
+    args = D.DraftArgs.from_config(cfg)
     bw = copy_bandwidth(device, copy_size(a, device))
     rows = []
     for tp in sorted({1, a.tp}):
         with per_rank_build(tp, device, dtype):
-            drafter = Dr.DFlashDrafter(args)
+            drafter = D.DFlashDrafter(args)
             C.randomize_(drafter, a.seed, prefix="draft.")
         nbytes = param_bytes(drafter)
         for ctx in a.ctx:
@@ -1035,7 +1039,7 @@ def bench_peer(a, device, dtype) -> dict:
            f"{str(dtype).replace('torch.', '')} on {device}")
     print0(f"transformers: sdpa attention over its DynamicCache (compressed latents, decompressed every step), "
            f"experts '{a.peer_experts}' on {str(dtype).replace('torch.', '')} weights dequantized from our INT4; ours: "
-           f"absorbed MLA over the static cache, INT4 MoE ({'triton' if kernels.use_triton(device) else 'reference'})")
+           f"absorbed MLA over the static cache, INT4 MoE ({'triton' if use_triton(device) else 'reference'})")
     rows = []
     for kind, layer_id in [("moe", 1)] + ([("dense", 0)] if a.dense else []):
         args, block = build_block(cfg, layer_id, a.tp, device, dtype, a.seed)
@@ -1081,7 +1085,7 @@ def bench_tree(a, device, dtype) -> dict:
     draft logits [1, L, V]; CUDA-graph medians on a GPU (a step replays them so), wall-clock medians on a CPU."""
     L, V = a.tree_depth, a.vocab
     graph = device.type == "cuda" and a.graph
-    use_kernel = kernels.use_triton(device)
+    use_kernel = use_triton(device)
     print0(f"\n## tree: draft logits [1, {L}, {V}] fp32 on {device}, "
            f"{'CUDA-graph' if graph else 'wall-clock'} medians")
     rows = []
@@ -1269,7 +1273,7 @@ def _kernel_row(label: str, case, kernel, ref, tol: float, bw: float, device) ->
 def bench_kernels(a, device, dtype) -> dict:
     """The INT4 MoE (E = 384, D = 7168, top-8, group 32; I = 256, a TP8 slice, and 2048, whole experts) and the MLA
     attention (R = 512, P = 64, 8 and 64 heads, a random tree) at T = 1 .. 128 new tokens, kernel vs reference."""
-    if device.type != "cuda" or not kernels.use_triton(device):
+    if device.type != "cuda" or not use_triton(device):
         print0("\n## kernels: needs a CUDA GPU and triton (tests/test_kernels.py checks the kernels on a CPU)")
         return {"skipped": "needs a CUDA GPU and triton"}
     if a.sweep:

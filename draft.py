@@ -160,9 +160,6 @@ def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=N
     rows of one. (Not F.scaled_dot_product_attention: with a mask and this few query rows per head it may pick a
     cuDNN kernel that spreads the little work over few blocks.)"""
     B, T, H, hd = q.shape
-    if k_cache.is_cpu and not torch.compiler.is_compiling():   # no key past the last row's block is visible: on
-        S = int(prefix_len.max()) + T                           # the CPU a host read is free, so read no further
-        k_cache, v_cache = k_cache[:, :S], v_cache[:, :S]
     S, KV = k_cache.shape[1], k_cache.shape[2]
     qg = q.float().transpose(1, 2).reshape(B, KV, H // KV * T, hd)                       # [B, KV, G*T, hd]
     s = torch.matmul(qg, k_cache.float().transpose(1, 2).transpose(-1, -2)) * softmax_scale   # [B, KV, G*T, S]

@@ -8,8 +8,9 @@ reference), in fewer launches or fewer bytes.
 
 The one switch: a stage file marks its reference `@kernels.fast`; this file registers a launcher under the same name
 with `@register(name, fits=...)`, and a call goes to the launcher when ENABLED (--no-triton clears it) and fits(...)
-accepts the arguments (a CUDA tensor, shapes and dtypes the kernel handles, ...), else to the reference. Launcher,
-fits and reference take the same arguments. Invariant: every kernel == its reference, to rounding (bit for bit for
+accepts the arguments (a CUDA tensor, shapes and dtypes the kernel handles, ...), else to its host path if it has
+one (section 0: the reference on fewer cache slots, on the CPU), else to the reference. Launcher, fits and reference
+take the same arguments. Invariant: every kernel == its reference, to rounding (bit for bit for
 ranking, tree search, accept and commit).
 
     python -m pytest -q tests/test_kernels.py    # every kernel vs its reference (CPU: under TRITON_INTERPRET=1)
@@ -34,35 +35,36 @@ except ImportError:  # every op runs its reference; the @triton.jit definitions 
 ENABLED = True          # generate.py --no-triton sets False: every op runs its reference
 POISON_BUFFERS = False  # tests set this: scratch buffers start as NaN (or -1), so an unwritten element shows up
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"   # kernels run on CPU tensors, in numpy (the tests)
-_KERNELS: dict = {}     # reference name -> (fits, launch)
+_KERNELS: dict = {}     # reference name -> (fits, launch): its Triton kernel
+_HOST: dict = {}        # reference name -> (fits, launch): its host path (section 0), tried after the kernel
+_REFS: dict = {}        # reference name -> the reference, which a host path calls on less data
 
 
 def fast(ref):
-    """Decorator for a reference op in a stage file: calls go to the kernel registered under ref's name when the
-    switch is on and the kernel fits the arguments, else to ref itself. `op.ref` is the reference (tests use it)."""
+    """Decorator for a reference op in a stage file: calls go to the kernel registered under ref's name, else to its
+    host path, when the switch is on and that path fits the arguments; else to ref itself. `op.ref` is the
+    reference (tests use it)."""
     name = ref.__name__
+    _REFS[name] = ref
 
     @functools.wraps(ref)
     def dispatch(*args, **kw):
-        k = _KERNELS.get(name)
-        if k is not None and ENABLED and k[0](*args, **kw):
-            return k[1](*args, **kw)
+        for table in (_KERNELS, _HOST):
+            k = table.get(name)
+            if k is not None and ENABLED and k[0](*args, **kw):
+                return k[1](*args, **kw)
         return ref(*args, **kw)
     dispatch.ref = ref
     return dispatch
 
 
-def register(name: str, fits):
-    """Decorator for a launcher: the fast path of the reference op `name` wherever fits(*args, **kw) is true."""
+def register(name: str, fits, host: bool = False):
+    """Decorator for a launcher: the fast path (host: the host path) of the reference op `name` wherever
+    fits(*args, **kw) is true."""
     def deco(launch):
-        _KERNELS[name] = (fits, launch)
+        (_HOST if host else _KERNELS)[name] = (fits, launch)
         return launch
     return deco
-
-
-def use_triton(device) -> bool:
-    """Whether kernels may run on this device at all (bench.py reports it); each fits() adds its own conditions."""
-    return HAS_TRITON and ENABLED and torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
 def _gpu(t: torch.Tensor) -> bool:
@@ -94,6 +96,28 @@ def _sm_count(device) -> int:
 
 def _row_warps(block: int) -> int:
     return min(8, max(1, block // 512))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 0. Host paths: on the CPU, outside torch.compile, a host read is free, so the attention references get only the
+# slots that can be visible (the committed prefix, the new tree or block), not the whole fixed-size cache.
+
+def _host(t: torch.Tensor) -> bool:
+    return t.is_cpu and not torch.compiler.is_compiling()
+
+
+@register("mla_tree_attention", host=True, fits=lambda q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale,
+          out=None: _host(cache))
+def _mla_tree_attention_visible(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=None):
+    S = int(prefix_len.max()) + q_lat.shape[1]                                  # past the last row's tree
+    return _REFS["mla_tree_attention"](q_lat, q_pe, cache[:, :S], prefix_len, tree_mask, softmax_scale, out)
+
+
+@register("block_attention", host=True, fits=lambda q, k_cache, v_cache, prefix_len, softmax_scale, out=None:
+          _host(q))
+def _block_attention_visible(q, k_cache, v_cache, prefix_len, softmax_scale, out=None):
+    S = int(prefix_len.max()) + q.shape[1]                                      # past the last row's block
+    return _REFS["block_attention"](q, k_cache[:, :S], v_cache[:, :S], prefix_len, softmax_scale, out)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -550,17 +574,14 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
 # The T*K (token, k) pairs are grouped by expert on the GPU with fixed-shape ops (_moe_sort; no host sync), and
 # program `slot` of every grid serves the slot-th *used* expert for all its pairs: an expert that several tokens
 # chose (a tree's siblings route alike) is read from HBM once, then from L2.
-# Decode / verify (T <= MOE_GEMV_MAX_T, 16-bit activations): a bandwidth-bound GEMV whose whole cost is streaming
-# INT4 words and turning them into products fast enough to keep up:
-#   - no tl.dot and no dequantized tile: each int32 word is reduced against its 8 activations where it was loaded;
-#   - row strides passed as arguments, so the compiler proves 16-byte alignment and issues 128-bit loads;
-#   - Marlin's dequantization trick in PTX (_DEQUANT_DOT_PTX): `lop3` ORs two nibbles into the mantissas of two
-#     fp16 1024.0s, one f16x2 subtract / fma gives q exactly, four f16x2 fmas form the 8 products; a run of 4
-#     words (one scale group) is summed in f16x2 and converted to fp32 once; no load masks when tiles fit (EVEN).
-#   _moe_prep_f16 packs the activations for it: plane p holds f16x2 (x[8w+p], x[8w+p+4]), the nibble order of the
-#   lop3 masks, scaled by a power of two per row so that max |x| is in [1, 2) (no fp16 overflow; the scale is undone
-#   exactly). Stage 1 (gate | up) may split D over SPLIT_K programs when few experts are live (TP8 decode); then
-#   _moe_prep_f16 sums the slices, applies SwiGLU and packs h for stage 2 (down, times the routing weight).
+# Decode / verify (T <= MOE_GEMV_MAX_T, 16-bit activations): a bandwidth-bound GEMV, no tl.dot and no dequantized
+# tile: each int32 word is reduced against its 8 activations where it was loaded (row strides as arguments: 128-bit
+# loads). Marlin's trick in PTX (_DEQUANT_DOT_PTX): `lop3` ORs two nibbles into the mantissas of two fp16 1024.0s,
+# one f16x2 subtract / fma gives q exactly, four f16x2 fmas form the 8 products; a run of 4 words (one scale group)
+# is summed in f16x2, converted to fp32 once; no load masks when tiles fit (EVEN). _moe_prep_f16 packs the
+# activations: plane p holds f16x2 (x[8w+p], x[8w+p+4]), scaled by a power of two per row so max |x| is in [1, 2)
+# (no fp16 overflow; undone exactly). Stage 1 (gate | up) may split D over SPLIT_K programs when few experts are
+# live (TP8 decode); _moe_prep_f16 then sums the slices, applies SwiGLU, packs h for stage 2 (down, x routing weight).
 # Prefill (T > MOE_GEMV_MAX_T) and fp32 activations: tiles of BLOCK_M pairs x BLOCK_N rows dequantized in registers
 # and fed to tl.dot: the weights are read once per 16 pairs. The interpreter (CPU tests) cannot run PTX: there the
 # GEMV uses _dequant_dot_portable, the same data in plain Triton. Per-pair buffers, no atomics: the same bits each run.

@@ -360,8 +360,6 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     key and value) -> [B, T, H, R]. Query t of row b sees slot s < prefix_len[b] (the committed prefix) and tree
     slot prefix_len[b] + j where tree_mask[b, t, j] ([B, T, T] bool, or its rows packed by tree_mask_bits)."""
     B, T, H, R = q_lat.shape
-    if cache.is_cpu and not torch.compiler.is_compiling():   # no slot past the last row's tree is visible: on the
-        cache = cache[:, :int(prefix_len.max()) + T]          # CPU a host read is free, so read no further
     S = cache.shape[1]
     if tree_mask.dtype == torch.int64:
         tree_mask = tree_mask_unpack(tree_mask)                                 # [B, T, T] bool
