@@ -173,17 +173,7 @@ def test_gpu_kernel_path_matches_equations(tmp_path, target, dtype, tol, monkeyp
     """head_dim 32, so the forward takes the Triton qkv_norm_rope and block_attention (counted): a prompt, then
     rounds the way a fixed-shape step calls it (per-row cache lengths, bs context rows of which only n_valid are
     real, the padding rows garbage), each row against the equations."""
-    import kernels
-    calls = {}
-
-    def counted(name, launch):
-        def run(*a, **kw):
-            calls[name] = calls.get(name, 0) + 1
-            return launch(*a, **kw)
-        return run
-    for name in ("qkv_norm_rope", "block_attention"):
-        fits, launch = kernels._KERNELS[name]
-        monkeypatch.setitem(kernels._KERNELS, name, (fits, counted(name, launch)))
+    calls = tiny.count_launches(monkeypatch, ("qkv_norm_rope", "block_attention"))
     cfg, W = make_ckpt(tmp_path, target.args, head_dim=32)
     B, D, bs, n_taps = 2, cfg["hidden_size"], cfg["block_size"], len(cfg["dflash_config"]["target_layer_ids"])
     d = Dr.load_drafter(str(tmp_path), target.args, device="cuda", dtype=dtype)

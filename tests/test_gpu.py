@@ -40,15 +40,7 @@ def test_every_kernel_runs_in_a_decode_step(tmp_path, monkeypatch, mode):
     really pass (bf16 INT4 target, DDTree budget 8): a few decode steps call each launcher, eager and captured. A
     kernel whose conditions refused them would leave its op to the reference, correct and slow."""
     target, drafter = _pair(tmp_path, torch.bfloat16)
-    calls = {}
-
-    def counted(name, run):
-        def launch(*a, **kw):
-            calls[name] = calls.get(name, 0) + 1
-            return run(*a, **kw)
-        return launch
-    for name, (fits, run) in list(kernels._KERNELS.items()):
-        monkeypatch.setitem(kernels._KERNELS, name, (fits, counted(name, run)))
+    calls = tiny.count_launches(monkeypatch)
     G.generate(target, list(range(3, 40)), 24, drafter=drafter, budget=8, max_seq_len=320, mode=mode)
     assert set(calls) == set(kernels._KERNELS), f"never called: {sorted(set(kernels._KERNELS) - set(calls))}"
 

@@ -75,3 +75,20 @@ def _set_expert(model, key: str, w: torch.Tensor) -> None:
             ex.w13[e, n:] = w
         else:
             ex.w2[e] = w
+
+
+def count_launches(monkeypatch, names=None) -> dict:
+    """Wrap the registered Triton launchers (all, or `names`) so that each call is counted: returns the live
+    {name: calls} dict. A kernel that is never called had its fits() refuse the arguments."""
+    import kernels
+    calls = {}
+
+    def counted(name, launch):
+        def run(*a, **kw):
+            calls[name] = calls.get(name, 0) + 1
+            return launch(*a, **kw)
+        return run
+    for name in names or list(kernels._KERNELS):
+        fits, launch = kernels._KERNELS[name]
+        monkeypatch.setitem(kernels._KERNELS, name, (fits, counted(name, launch)))
+    return calls
