@@ -34,6 +34,8 @@ Modes:
 
     python bench.py e2e                                   # bundled tiny model + drafter (CPU ok)
     python bench.py e2e --budgets 4,16 --temperature 0 --max-new-tokens 64 --out runs/e2e.json
+    python bench.py e2e --budgets auto,8 --prompts checkpoints/heldout_files.txt   # --budget auto beside budget 8
+    python bench.py e2e --budgets 1,8 --bound             # and the accept a perfect drafter would reach
     python bench.py step                                  # the bundled pair's step: eager vs graph vs compile
     python bench.py layers --scale tiny                   # CPU: every dimension shrunk (a smoke test)
     python bench.py layers --tp 8 --out runs/layers.json  # one H200, per-rank TP8 shapes, real dimensions
@@ -60,6 +62,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import heapq
 import json
 import os
 import platform
@@ -76,6 +79,7 @@ import draft as D
 import kernels
 import model as M
 import tree as T
+import verify as V
 from checkpoint import k26_draft_config, k26_text_config
 from tree import ancestor_mask
 
@@ -235,11 +239,11 @@ def encode_prompts(prompts: list[dict], tok_dir: str, vocab: int, chat: bool) ->
         "no tiktoken.model in the checkpoint: UTF-8 bytes mod vocab"
 
 
-def e2e_modes(budgets: list[int], drafter, chain: bool) -> list[tuple[str, int]]:
+def e2e_modes(budgets: list, drafter, chain: bool) -> list[tuple[str, int | str]]:
     modes = [("ar", 0)]
     if drafter is not None:
         modes += [("chain", 0)] if chain else []
-        modes += [("ddtree", b) for b in budgets]
+        modes += [("auto", b) if b == "auto" else ("ddtree", b) for b in budgets]
     return modes
 
 
@@ -286,7 +290,12 @@ def run_mode(target, drafter, prompt_ids, mode: str, budget: int, temperature: f
         outs.append(G.generate(target, ids, a.max_new_tokens, seed=i, stats=st, **kw))
         stats.append(st)
     r = {"mode": mode, "budget": budget if mode == "ddtree" else None, "temperature": temperature}
-    if mode != "ar":
+    if mode == "auto":     # the share of steps auto ran at each budget (0: one token)
+        mix = G.Stats()
+        for s in stats:
+            mix.budgets.update(s.budgets)
+        r["budget_mix"] = mix.budget_mix()
+    elif mode != "ar":
         n_nodes = budget + 1 if mode == "ddtree" else drafter.block_size
         r["verify_tokens"] = n_nodes
         r["mla_path"] = "absorbed, Triton" if n_nodes <= 64 else "absorbed, reference attention (> 64 rows)"
@@ -337,7 +346,8 @@ def bench_e2e(a, device, dtype) -> dict:
     drafter = C.load_drafter(draft_dir, target.args, device, dtype) if draft_dir else None
     prompts = load_prompts(a.prompts, a.n_prompts)
     prompt_ids, tok_note = encode_prompts(prompts, a.tokenizer or ckpt, target.args.vocab_size, a.chat)
-    widest = max(a.budgets + [drafter.block_size if drafter else 1])
+    widest = max([max(G.AUTO_BUDGETS) if b == "auto" else b for b in a.budgets]
+                 + [drafter.block_size if drafter else 1])
     max_seq_len = a.max_seq_len or max(map(len, prompt_ids)) + a.max_new_tokens + widest + 8
     print0(f"\n## e2e: {ckpt}" + (f" + drafter {draft_dir}" if draft_dir else " (no drafter: AR only)")
            + f" on {device}, {str(dtype).replace('torch.', '')}")
@@ -361,11 +371,98 @@ def bench_e2e(a, device, dtype) -> dict:
     for r in runs:
         del r["outputs"]
     print_e2e(runs)
+    if a.bound and drafter is not None:
+        accept_bounds(target, drafter.block_size - 1, prompt_ids, runs, a.max_new_tokens, max_seq_len)
     return {"target": ckpt, "draft": draft_dir, "dtype": str(dtype).replace("torch.", ""),
             "tokenizer": tok_note, "max_new_tokens": a.max_new_tokens, "max_seq_len": max_seq_len,
             "block_size": drafter.block_size if drafter else None,
             "prompts": [{"id": p.get("id"), "category": p["category"], "prompt_tokens": len(ids)}
                         for p, ids in zip(prompts, prompt_ids)], "runs": runs}
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """logits [..., V] -> the distribution verify.sample draws from: one-hot argmax at temperature 0."""
+    if temperature <= 0:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()                          # [..., V]
+    return V.sampling_probs(logits, temperature, top_k, top_p)
+
+
+@torch.no_grad()
+def oracle_tree(target, ctx: list[int], budget: int, depth: int, temperature: float) -> tuple[list, list, list, list]:
+    """The DDTree of a perfect drafter: the `budget` most probable paths of at most `depth` tokens below the root
+    ctx[-1], a path's probability being the product of the target's own sampling probabilities (sampling_probs)
+    along it. Best-first as tree.build_tree_heap: pop the best candidate, push its next sibling (the parent's next
+    most probable token) and its first child; probabilities never grow along a path, so the first `budget` pops
+    are the optimal prefix-closed set. Zero-probability tokens are never pushed (temperature 0: the greedy chain).
+    Returns per node, root first: parent, token, path probability, the target's logits [V] after ctx + its path
+    (one full forward without the KV cache per node: start_pos None leaves the cache alone)."""
+    dev = target.embed_tokens.weight.device
+    parent, token, prob, path, logits, ranked = [-1], [ctx[-1]], [1.0], [[]], [], []
+
+    def expand(i: int) -> None:   # node i's logits, its next tokens by probability (ties: lower id first)
+        x = target(torch.tensor([ctx + path[i]], device=dev), last_only=True)[0, -1]               # [V] fp32
+        logits.append(x)
+        ranked.append(sampling_probs(x, temperature).sort(descending=True, stable=True))          # [V] each
+    expand(0)
+    heap = [(-ranked[0][0][0].item(), 0, 0, 0)]   # (-path probability, tie-break, parent node, rank of the token)
+    while heap and len(token) <= budget:
+        neg, _, par, r = heapq.heappop(heap)
+        (p, order), i = ranked[par], len(token)
+        parent.append(par); token.append(int(order[r])); prob.append(-neg); path.append(path[par] + [token[-1]])
+        if r + 1 < len(p) and p[r + 1] > 0:
+            heapq.heappush(heap, (-prob[par] * p[r + 1].item(), i, par, r + 1))
+        expand(i)   # also for a depth-`depth` node: the walk draws the bonus from it
+        if len(path[i]) < depth and ranked[i][0][0] > 0:
+            heapq.heappush(heap, (-prob[i] * ranked[i][0][0].item(), i, i, 0))
+    return parent, token, prob, logits
+
+
+@torch.no_grad()
+def oracle_decode(target, prompt: list[int], max_new_tokens: int, budget: int, depth: int, temperature: float,
+                  seed: int, max_seq_len: int) -> list[tuple[int, float]]:
+    """Decode `prompt` as DDTree does, with the target as its own drafter: each step builds oracle_tree at the
+    context c, then walks it as verification does: x = verify.sample(the target's logits after c + path) (argmax
+    at temperature 0, all draws from one generator seeded `seed`); if x is a child of the current node, move there
+    and repeat, else stop and commit the path's tokens plus x (the bonus). Returns per step (tokens committed, its
+    expectation = 1 + the sum of the nodes' path probabilities). The first token comes from the prompt's forward,
+    as generate's prefill does; every step counts all it commits, as Stats.accept_lens does (the last one may run
+    past max_new_tokens), and no step is cut: the run stops before a step could pass max_seq_len."""
+    g = torch.Generator(target.embed_tokens.weight.device).manual_seed(seed)
+    first = V.sample(target(torch.tensor([prompt], device=g.device), last_only=True)[0, -1], temperature,
+                     generator=g)
+    ctx, n, steps = prompt + [int(first)], 1, []
+    while n < max_new_tokens and len(ctx) + depth + 1 <= max_seq_len:
+        parent, token, prob, logits = oracle_tree(target, ctx, budget, depth, temperature)
+        node, got = 0, []
+        while True:   # verification's walk: the target's token after the node; on to the child that carries it
+            got.append(int(V.sample(logits[node], temperature, generator=g)))
+            node = next((i for i in range(1, len(token)) if parent[i] == node and token[i] == got[-1]), None)
+            if node is None:
+                break
+        steps.append((len(got), 1 + sum(prob[1:])))
+        ctx, n = ctx + got, n + len(got)
+    return steps
+
+
+def accept_bounds(target, depth: int, prompt_ids, runs: list[dict], max_new_tokens: int, max_seq_len: int) -> None:
+    """--bound: each DDTree run's r["accept_bound"], the mean accept (tokens per step, bonus included, as e2e's
+    mean_accept) over every step of every prompt that a perfect drafter reaches: the target drafting for itself
+    (oracle_decode, seeded per prompt) at the run's temperature and budget, depth <= L = block_size - 1 as the
+    real tree; r["accept_bound_expected"]: the mean of its per-step expectations. Prints the table."""
+    rows = []
+    for r in runs:
+        if r["mode"] == "ddtree":
+            steps = [s for i, ids in enumerate(prompt_ids) for s in oracle_decode(
+                target, ids, max_new_tokens, r["budget"], depth, r["temperature"], i, max_seq_len)]
+            mean = lambda xs: sum(xs) / len(xs) if xs else None   # no step: max_new_tokens 1, or a full cache
+            r["accept_bound"], r["accept_bound_expected"] = mean([k for k, _ in steps]), mean([e for _, e in steps])
+            ratio = r["mean_accept"] / r["accept_bound"] if r["accept_bound"] else None
+            rows.append([_f(r["temperature"], "g"), r["budget"], _f(r["mean_accept"], ".2f"),
+                         _f(r["accept_bound"], ".2f"), _f(r["accept_bound_expected"], ".2f"), _f(ratio, ".2f"),
+                         len(steps)])
+    print0(table(["temp", "budget", "drafter accept", "bound", "E[bound]", "drafter/bound", "bound steps"], rows))
+    print0("bound: the accept of a perfect drafter (the target drafting its own best-first tree, depth <= "
+           f"{depth}); E[bound]: its expectation per step, 1 + the nodes' path probabilities, averaged")
 
 
 @torch.no_grad()
@@ -419,6 +516,13 @@ def print_e2e(runs: list[dict]) -> None:
                   "tree ms", "verify ms", "commit ms", "RSS GiB", "CUDA GiB", "lossless", "accept histogram"], rows))
     print0("stage times are per verify step (eager loop, GPU synchronized after every stage); RSS is the process "
            "peak so far; lossless: greedy output == greedy autoregressive output on every prompt")
+    for r in runs:
+        if r["mode"] == "auto":    # its choices, and how it compares with the fastest fixed choice of this run
+            fixed = [x for x in runs if x["temperature"] == r["temperature"] and x["mode"] in ("ar", "ddtree")]
+            best = max(fixed, key=lambda x: x["tokens_per_s"])
+            print0(f"auto at temperature {r['temperature']:g}: steps per budget {r['budget_mix']} (0: one token); "
+                   f"{r['tokens_per_s'] / best['tokens_per_s']:.2f}x the fastest fixed mode "
+                   f"({best['mode']}{' ' + str(best['budget']) if best['budget'] else ''})")
     bad = [r for r in runs if r["lossless"] is False]
     if bad:
         print0("lossless NO: in bf16 a near-tie can flip when the verify width changes kernel paths "
@@ -1169,7 +1273,7 @@ def bench_step(a, device, dtype) -> dict:
                        max_seq_len=len(ids) + 16 + 2 * (budget + 1) + 64)   # compiles / captures the step
             (runner,) = G.Step.cache.values()
             restore = runner.snapshot()
-            step = lambda: runner.run(budget > 0)  # the plain, compiled or captured step; no host read
+            step = lambda: runner.run(budget)      # the plain, compiled or captured step; no host read
             restore(), step()
             first = runner.out.clone()            # [1, N+1]: accept length, committed tokens
             us = _event_median_us(step, restore, device)
@@ -1479,6 +1583,10 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+def _budgets(s: str) -> list:
+    return [x.strip() if x.strip() == "auto" else int(x) for x in s.split(",") if x.strip()]
+
+
 def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x.strip()]
 
@@ -1500,7 +1608,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     e.add_argument("--prompts", default=PROMPTS_FILE, help="prompt set (JSON: {prompts: [{category, text}]}), or a "
                    "held-out file list (.txt, e.g. checkpoints/heldout_files.txt: windows of those stdlib files)")
     e.add_argument("--n-prompts", type=int, default=0, help="use the first N prompts (0: all)")
-    e.add_argument("--budgets", type=_ints, default=[1, 2, 4, 8, 16, 32, 64], help="DDTree node budgets")
+    e.add_argument("--budgets", type=_budgets, default=[1, 2, 4, 8, 16, 32, 64],
+                   help="DDTree node budgets; auto: generate.py's --budget auto (e.g. auto,8)")
     e.add_argument("--temperature", type=_floats, default=[0.0, 1.0], help="comma-separated, e.g. 0 or 0,1")
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--max-seq-len", type=int, default=0, help="KV cache length (0: longest prompt + new + tree)")
@@ -1508,6 +1617,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                          "before timing (-1: --max-new-tokens; 0: none)")
     e.add_argument("--chat", action="store_true", help="apply the chat template (real K2.6) instead of raw text")
     e.add_argument("--no-chain", action="store_true", help="skip the DFlash chain baseline")
+    e.add_argument("--bound", action="store_true", help="also the accept of a perfect drafter (the target drafting "
+                   "for itself) at each budget and temperature > 0")
     s = p.add_argument_group("step (the e2e pair and its first prompt)")
     s.add_argument("--step-budgets", type=_ints, default=[0, 8], help="step: 0 = the AR step, B > 0 = DDTree B")
     s.add_argument("--step-modes", type=lambda v: v.split(","), default=None,
@@ -1544,8 +1655,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--T values must lie in [1, 64] (the tree kernel's mask word), got {a.T}")
     if a.tp < 1:
         p.error(f"--tp must be >= 1, got {a.tp}")
-    if any(b < 1 for b in a.budgets):
-        p.error(f"--budgets must be >= 1, got {a.budgets}")
+    if any(b != "auto" and b < 1 for b in a.budgets):
+        p.error(f"--budgets must be >= 1 or auto, got {a.budgets}")
+    if "auto" in a.budgets and (a.mode != "e2e" or a.batch):
+        p.error("--budgets auto: e2e only (not --batch)")
     return a
 
 

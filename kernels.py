@@ -10,8 +10,8 @@ The one switch: a stage file marks its reference `@kernels.fast`; this file regi
 with `@register(name, fits=...)`, and a call goes to the launcher when ENABLED (--no-triton clears it) and fits(...)
 accepts the arguments (a CUDA tensor, shapes and dtypes the kernel handles, ...), else to its host path if it has
 one (section 0: the reference on fewer cache slots, on the CPU), else to the reference. Launcher, fits and reference
-take the same arguments. Invariant: every kernel == its reference, to rounding (bit for bit for
-ranking, tree search, accept and commit).
+take the same arguments. Invariant: every kernel == its reference, to rounding (bit for bit for ranking, tree search,
+accept and commit).
 
     python -m pytest -q tests/test_kernels.py    # every kernel vs its reference (CPU: under TRITON_INTERPRET=1)
     python bench.py kernels [--sweep]            # GPU: K2.6 shapes, error and timings; launch-config sweep
@@ -41,9 +41,8 @@ _REFS: dict = {}        # reference name -> the reference, which a host path cal
 
 
 def fast(ref):
-    """Decorator for a reference op in a stage file: calls go to the kernel registered under ref's name, else to its
-    host path, when the switch is on and that path fits the arguments; else to ref itself. `op.ref` is the
-    reference (tests use it)."""
+    """Decorator for a stage file's reference op: calls go to its kernel, else its host path, where the switch is on and
+    that path fits the arguments; else to ref itself. `op.ref` is the reference (tests use it)."""
     name = ref.__name__
     _REFS[name] = ref
 
@@ -59,8 +58,7 @@ def fast(ref):
 
 
 def register(name: str, fits, host: bool = False):
-    """Decorator for a launcher: the fast path (host: the host path) of the reference op `name` wherever
-    fits(*args, **kw) is true."""
+    """Decorator for a launcher: the fast path (host: the host path) of op `name` wherever fits(*args, **kw)."""
     def deco(launch):
         (_HOST if host else _KERNELS)[name] = (fits, launch)
         return launch
@@ -289,8 +287,7 @@ def _mla_latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, slots_ptr, cache_ptr, T,
     _glue(kv) and _pow2(weight.shape[0]) and _pow2(kv.shape[-1] - weight.shape[0]) and kv.stride(-1) == 1
     and kv.dtype == weight.dtype == cache.dtype == cos.dtype == sin.dtype and cache.stride(-1) == 1))
 def mla_latent_to_cache(kv, weight, eps, cos, sin, cache, slots):
-    B, T, C = kv.shape
-    R = weight.shape[0]
+    (B, T, C), R = kv.shape, weight.shape[0]
     rows = kv.reshape(B * T, C)        # a view for kv contiguous or a last-dim slice of one (model.linear_rows)
     if B * T:
         _mla_latent_kernel[(B * T,)](rows, weight.contiguous(), cos.contiguous(), sin.contiguous(), slots.contiguous(),
@@ -329,8 +326,7 @@ def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, bits_ptr, o_pt
                       BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr):
     # the q blocks of one split are launched next to each other, so the cache tiles that the first one reads are
     # still in L2 for the others (the cache is read from HBM about once, not once per block)
-    b = tl.program_id(2)
-    split = tl.program_id(1)
+    b, split = tl.program_id(2), tl.program_id(1)
     prefix = tl.load(prefix_ptr + b).to(tl.int32)
     L = prefix + T                                   # keys of row b: the prefix, then the T tree slots
     split_len = _split_len(L, NUM_SPLITS, MIN_SPLIT, BLOCK_S)
@@ -343,8 +339,7 @@ def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, bits_ptr, o_pt
     # the absorbed-query einsum's output, read in place)
     rows = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     row_mask = rows < T * H
-    offs_r = tl.arange(0, R)
-    offs_p = tl.arange(0, P)
+    offs_r, offs_p = tl.arange(0, R), tl.arange(0, P)
     q_rows = q_lat_ptr + b * stride_qb + (rows // H) * stride_qt + (rows % H) * stride_qh
     q_lat = tl.load(q_rows[:, None] + offs_r[None, :], mask=row_mask[:, None], other=0.0)
     q_pe = tl.load(q_pe_ptr + (b * T * H + rows)[:, None] * P + offs_p[None, :], mask=row_mask[:, None], other=0.0)
@@ -389,13 +384,11 @@ def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, bits_ptr, o_pt
 
 
 @triton.jit
-def _mla_merge_kernel(o_part_ptr, lse_ptr, prefix_ptr, out_ptr, T, H, NUM_SPLITS,
-                      R: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
-                      SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
+def _mla_merge_kernel(o_part_ptr, lse_ptr, prefix_ptr, out_ptr, T, H, NUM_SPLITS, R: tl.constexpr,
+                      MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
     # Program (b, row, r-block): out = sum_i exp(lse_i - M) o_i / sum_i exp(lse_i - M), M = max_i lse_i, over the
     # splits i that stage 1 wrote (all of them loaded at once: SPLITS = next power of two >= NUM_SPLITS).
-    b = tl.program_id(0)
-    row = tl.program_id(1)
+    b, row = tl.program_id(0), tl.program_id(1)
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     L = tl.load(prefix_ptr + b).to(tl.int32) + T
     split = tl.arange(0, SPLITS)
@@ -426,8 +419,7 @@ def _merge_splits(o_part, lse_part, prefix_len, out, T: int, H: int, MIN_SPLIT: 
 
 def _mla_attention_fits(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=None):
     B, T, H, R = q_lat.shape
-    P = q_pe.shape[-1]
-    return (_gpu(q_lat) and T <= MASK_WORD_BITS and _pow2(R, 16) and _pow2(P, 16) and q_lat.stride(-1) == 1
+    return (_gpu(q_lat) and T <= MASK_WORD_BITS and _pow2(R, 16) and _pow2(q_pe.shape[-1], 16) and q_lat.stride(-1) == 1
             and q_lat.dtype == q_pe.dtype == cache.dtype and cache.shape[0] >= B and cache.is_contiguous()
             and isinstance(prefix_len, torch.Tensor) and tree_mask.dtype in (torch.int64, torch.bool)
             and (out is None or out.is_contiguous()))
@@ -437,8 +429,7 @@ def _mla_attention_fits(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale
 @register("mla_tree_attention", fits=_mla_attention_fits)
 @torch.compiler.disable
 def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=None):
-    B, T, H, R = q_lat.shape
-    P = q_pe.shape[-1]
+    (B, T, H, R), P = q_lat.shape, q_pe.shape[-1]
     q_pe, prefix_len = q_pe.contiguous(), prefix_len.contiguous()
     if tree_mask.dtype == torch.int64:
         bits = tree_mask.contiguous()                                             # [B, T] packed rows
@@ -446,12 +437,11 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale,
         bits = (tree_mask.long() << torch.arange(T, device=tree_mask.device)).sum(-1)
     if out is None:
         out = torch.empty(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)
-    rows = T * H
-    wide = rows >= ATTN_WIDE["min_rows"]
+    wide = T * H >= ATTN_WIDE["min_rows"]
     cfg = {k: ATTN_WIDE[k] for k in ATTN_BLOCKS} if wide else ATTN_BLOCKS
     waves = ATTN_WIDE["waves"] if wide else ATTN_SPLITS["waves"]
     BLOCK_S, MIN_SPLIT = cfg["BLOCK_S"], ATTN_SPLITS["min_split_len"]
-    n_qblocks = triton.cdiv(rows, cfg["BLOCK_Q"])
+    n_qblocks = triton.cdiv(T * H, cfg["BLOCK_Q"])
     num_splits = _num_splits(cache.shape[1], ATTN_SPLITS["max_splits"], MIN_SPLIT, waves, B * n_qblocks, q_lat.device)
     o_part = _empty((B, num_splits, T * H, R), torch.float32, q_lat.device)
     lse_part = _empty((B, num_splits, T * H), torch.float32, q_lat.device)
@@ -506,7 +496,7 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, N, E, D, D_SPLIT,
             acc = tl.dot(x_lo, tl.trans(w_hi), acc)                                         # [BLOCK_T, BLOCK_E]
         else:
             acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
-    tl.store(part_ptr + (split * N + offs_t[:, None]) * E + offs_e[None, :], acc, mask=t_mask[:, None] & e_mask[None, :])
+    tl.store(part_ptr + (split * N + offs_t[:, None]) * E + offs_e[None, :], acc, mask=t_mask[:, None] & e_mask)
 
 
 @triton.jit
@@ -549,8 +539,7 @@ def _topk_launch(partial_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n
 @register("router_topk", fits=lambda x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1: (
     _glue(x) and n_group == 1 and x.dim() == 2 and weight.dtype == bias.dtype == torch.float32))
 def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
-    N, D = x.shape
-    E = weight.shape[0]
+    (N, D), E = x.shape, weight.shape[0]
     x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
     if N > ROUTER_MAX_T:
         return _topk_launch(F.linear(x.float(), weight)[None], bias, top_k, norm, scale)
@@ -576,12 +565,10 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
 # chose (a tree's siblings route alike) is read from HBM once, then from L2.
 # Decode / verify (T <= MOE_GEMV_MAX_T, 16-bit activations): a bandwidth-bound GEMV, no tl.dot and no dequantized
 # tile: each int32 word is reduced against its 8 activations where it was loaded (row strides as arguments: 128-bit
-# loads). Marlin's trick in PTX (_DEQUANT_DOT_PTX): `lop3` ORs two nibbles into the mantissas of two fp16 1024.0s,
-# one f16x2 subtract / fma gives q exactly, four f16x2 fmas form the 8 products; a run of 4 words (one scale group)
-# is summed in f16x2, converted to fp32 once; no load masks when tiles fit (EVEN). _moe_prep_f16 packs the
-# activations: plane p holds f16x2 (x[8w+p], x[8w+p+4]), scaled by a power of two per row so max |x| is in [1, 2)
-# (no fp16 overflow; undone exactly). Stage 1 (gate | up) may split D over SPLIT_K programs when few experts are
-# live (TP8 decode); _moe_prep_f16 then sums the slices, applies SwiGLU, packs h for stage 2 (down, x routing weight).
+# loads), with Marlin's f16x2 trick in PTX (_DEQUANT_DOT_PTX) on activations packed and scaled by _moe_prep_f16; a
+# run of 4 words (one scale group) is summed in f16x2, converted to fp32 once; no load masks when tiles fit (EVEN).
+# Stage 1 (gate | up) may split D over SPLIT_K programs when few experts are live (TP8 decode); _moe_prep_f16 then
+# sums the slices, applies SwiGLU, packs h for stage 2 (down, x routing weight).
 # Prefill (T > MOE_GEMV_MAX_T) and fp32 activations: tiles of BLOCK_M pairs x BLOCK_N rows dequantized in registers
 # and fed to tl.dot: the weights are read once per 16 pairs. The interpreter (CPU tests) cannot run PTX: there the
 # GEMV uses _dequant_dot_portable, the same data in plain Triton. Per-pair buffers, no atomics: the same bits each run.
@@ -641,33 +628,27 @@ def _f16_half(packed, HIGH: tl.constexpr):
     return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 @triton.jit
+def _plane_dot(words, xp, p: tl.constexpr):
+    # nibbles p and p + 4 of each word times plane p's two halves, fp32
+    q_lo = ((words >> (4 * p)) & 0xF) - 8
+    q_hi = ((words >> (4 * p + 16)) & 0xF) - 8
+    return q_lo.to(tl.float32) * _f16_half(xp, False) + q_hi.to(tl.float32) * _f16_half(xp, True)
+
+@triton.jit
 def _dequant_dot_portable(words, x04, x15, x26, x37):
     # the PTX's data in plain Triton (fp32 products and sums): what the interpreter runs. [BN, BW] one sum per word
-    acc = tl.zeros(words.shape, dtype=tl.float32)
-    for p in tl.static_range(4):
-        if p == 0:
-            xp = x04
-        elif p == 1:
-            xp = x15
-        elif p == 2:
-            xp = x26
-        else:
-            xp = x37
-        q_lo = ((words >> (4 * p)) & 0xF) - 8
-        q_hi = ((words >> (4 * p + 16)) & 0xF) - 8
-        acc += q_lo.to(tl.float32) * _f16_half(xp, False) + q_hi.to(tl.float32) * _f16_half(xp, True)
-    return acc
+    acc = tl.zeros(words.shape, dtype=tl.float32) + _plane_dot(words, x04, 0) + _plane_dot(words, x15, 1)
+    return acc + _plane_dot(words, x26, 2) + _plane_dot(words, x37, 3)
 
 @triton.jit
 def _dequant_dot_word(words, x04, x15, x26, x37, acc, FIRST: tl.constexpr):
     # acc + this word's 8 products (f16x2); FIRST: no acc yet (a mul instead of zeroing a register per run)
     if FIRST:
-        s = tl.inline_asm_elementwise(_DEQUANT_MUL_PTX, "=r,r,r,r,r,r", [words, x04, x15, x26, x37],
-                                      dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_DEQUANT_MUL_PTX, "=r,r,r,r,r,r", [words, x04, x15, x26, x37],
+                                         dtype=tl.int32, is_pure=True, pack=1)
     else:
-        s = tl.inline_asm_elementwise(_DEQUANT_DOT_PTX, "=r,r,r,r,r,r,r", [words, x04, x15, x26, x37, acc],
-                                      dtype=tl.int32, is_pure=True, pack=1)
-    return s
+        return tl.inline_asm_elementwise(_DEQUANT_DOT_PTX, "=r,r,r,r,r,r,r", [words, x04, x15, x26, x37, acc],
+                                         dtype=tl.int32, is_pure=True, pack=1)
 
 @triton.jit
 def _halves(v):
@@ -773,7 +754,8 @@ def _moe_prep_f16(src_ptr, xk_ptr, xs_ptr, P, N, SPLIT_K,
     for p in tl.static_range(4):
         lo = (_prep_values(src_ptr, row, P, N, SPLIT_K, ww * 8 + p, wm, SWIGLU) * scale).to(tl.float16)
         hi = (_prep_values(src_ptr, row, P, N, SPLIT_K, ww * 8 + p + 4, wm, SWIGLU) * scale).to(tl.float16)
-        packed = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+        packed = ((lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)
+                  | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16))
         tl.store(xk_ptr + row * (4 * NW) + p * NW + ww, packed, mask=wm)
 
 def _prep_f16(src, rows: int, N: int, split_k: int, swiglu: bool):
@@ -784,20 +766,6 @@ def _prep_f16(src, rows: int, N: int, split_k: int, swiglu: bool):
     _moe_prep_f16[(rows, triton.cdiv(N // 8, block_w))](src, xk, xs, rows, N, split_k, SWIGLU=swiglu,
                                                          N_POW2=triton.next_power_of_2(N), BLOCK_W=block_w)
     return xk, xs
-
-@triton.jit
-def _gate_up_pass(w_gate, s_gate, xk_row, I, DW, DG, w_start, w_end, n_mask, GW: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr):
-    # gate and up rows over words w_start .. w_end for one activation row -> (gate, up) summed over the groups, [BN]
-    acc_g = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
-    for w0 in range(w_start, w_end, BLOCK_W):                                 # empty slice: zeros
-        wg, sg = _weight_tile(w_gate, s_gate, DW, w0, n_mask, GW, BLOCK_W, EVEN)
-        wu, su = _weight_tile(w_gate + I * DW, s_gate + I * DG, DW, w0, n_mask, GW, BLOCK_W, EVEN)
-        acc_g += _tile_dot(wg, sg, xk_row, DW, w0, GW, BLOCK_W, PTX, EVEN)
-        acc_u += _tile_dot(wu, su, xk_row, DW, w0, GW, BLOCK_W, PTX, EVEN)
-    return tl.sum(acc_g, 1), tl.sum(acc_u, 1)
-
 
 @triton.jit
 def _moe_gate_up_gemv(xk_ptr, xs_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, slots_ptr, I, K, P, DW, DG,
@@ -820,8 +788,15 @@ def _moe_gate_up_gemv(xk_ptr, xs_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, slots_ptr,
     s_gate = s_ptr + e * (2 * I) * DG + offs_n[:, None] * DG
     for i in range(0, count):                                                # usually one
         pair = tl.load(pair_ptr + start + i)                                 # pair = t*K + k
-        g, u = _gate_up_pass(w_gate, s_gate, xk_ptr + (pair // K) * 4 * DW, I, DW, DG, w_start, w_end, n_mask, GW,
-                             BLOCK_N, BLOCK_W, PTX, EVEN)
+        xk_row = xk_ptr + (pair // K) * 4 * DW
+        acc_g = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_W // GW), dtype=tl.float32)
+        for w0 in range(w_start, w_end, BLOCK_W):                             # empty slice: zeros
+            wg, sg = _weight_tile(w_gate, s_gate, DW, w0, n_mask, GW, BLOCK_W, EVEN)
+            wu, su = _weight_tile(w_gate + I * DW, s_gate + I * DG, DW, w0, n_mask, GW, BLOCK_W, EVEN)
+            acc_g += _tile_dot(wg, sg, xk_row, DW, w0, GW, BLOCK_W, PTX, EVEN)
+            acc_u += _tile_dot(wu, su, xk_row, DW, w0, GW, BLOCK_W, PTX, EVEN)
+        g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
         xs = tl.load(xs_ptr + pair // K)                                     # undo the activation scale
         out = gu_ptr + (split * P + pair) * (2 * I) + offs_n
         tl.store(out, g * xs, mask=n_mask)
@@ -855,7 +830,6 @@ def _moe_down_gemv(hk_ptr, hs_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, sl
 
 # --- prefill path (and fp32 activations): tl.dot on dequantized tiles ---
 
-
 @triton.jit
 def _int4_tile(w_rows, s_rows, k0, n_mask, n_cols, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     # [BLOCK_N, BLOCK_K] tile of W [O, n_cols] (columns k0 .. k0+BLOCK_K, rows at w_rows / s_rows [BLOCK_N, 1]),
@@ -872,8 +846,8 @@ def _int4_tile(w_rows, s_rows, k0, n_mask, n_cols, GROUP: tl.constexpr, BLOCK_K:
 
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, slots_ptr, D, I, K, P,
-                        GROUP: tl.constexpr, SPLIT_K: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     # Program (slot, pid_n, split): rows pid_n*BLOCK_N.. of gate and of up for the slot-th used expert, summed over
     # the split-th slice of D, stored to gu[split, pair] (gate in columns 0..I-1, up in I..2I-1).
     e, start, count = _load_slot(slots_ptr)
@@ -886,8 +860,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, slots_ptr, D, I, 
     offs_k = tl.arange(0, BLOCK_K)
     w_gate = w_ptr + e * (2 * I * (D // 8)) + offs_n[:, None] * (D // 8)   # gate rows 0..I-1, up rows I..2I-1
     s_gate = s_ptr + e * (2 * I * (D // GROUP)) + offs_n[:, None] * (D // GROUP)
-    w_up = w_gate + I * (D // 8)
-    s_up = s_gate + I * (D // GROUP)
+    w_up, s_up = w_gate + I * (D // 8), s_gate + I * (D // GROUP)
     for m0 in range(0, count, BLOCK_M):  # usually one pass: few pairs per expert
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < count
@@ -944,9 +917,8 @@ def _even(n_rows: int, n_words: int, cfg: dict) -> bool:
 
 
 def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y):
-    T, D = x.shape
-    P, K = y.shape[0], y.shape[0] // T
-    n_slots, I = slots.shape[0], w13_packed.shape[1] // 2
+    (T, D), P, n_slots, I = x.shape, y.shape[0], slots.shape[0], w13_packed.shape[1] // 2
+    K = P // T
     xk, xs = _prep_f16(x, T, D, 1, swiglu=False)                            # packed f16x2 planes, their scales
     cfg = MOE_GEMV_BLOCKS["gate_up"]
     n_blocks = triton.cdiv(I, cfg["BLOCK_N"])
@@ -966,9 +938,8 @@ def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group
 
 
 def _moe_dot(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y):
-    T, D = x.shape
-    P, K = y.shape[0], y.shape[0] // T
-    n_slots, I = slots.shape[0], w13_packed.shape[1] // 2
+    (T, D), P, n_slots, I = x.shape, y.shape[0], slots.shape[0], w13_packed.shape[1] // 2
+    K = P // T
     cfg = MOE_BLOCKS["gate_up"]
     n_blocks = triton.cdiv(I, cfg["BLOCK_N"])
     split_k = _split_k(triton.cdiv(D, cfg["BLOCK_K"]), n_slots * n_blocks, x.device)
@@ -1046,8 +1017,8 @@ def _int4_experts_fits(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_pack
             and all(c["BLOCK_K"] % group_size == 0 for c in MOE_BLOCKS.values())
             and all(8 * c["BLOCK_W"] % group_size == 0 for c in MOE_GEMV_BLOCKS.values())
             and x.dtype == w13_scale.dtype == w2_scale.dtype and topk_ids.dtype == torch.int64
-            and topk_weights.dtype == torch.float32 and w13_packed.is_contiguous() and w2_packed.is_contiguous()
-            and w13_scale.is_contiguous() and w2_scale.is_contiguous() and (out is None or out.is_contiguous()))
+            and topk_weights.dtype == torch.float32 and (out is None or out.is_contiguous())
+            and all(w.is_contiguous() for w in (w13_packed, w13_scale, w2_packed, w2_scale)))
 
 
 # opaque to torch.compile: inductor would rebuild the kernels from their source, inline PTX included
@@ -1057,11 +1028,9 @@ def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
                     shared=None):
     """x [T, D], topk_ids / topk_weights [T, K] -> [T, D] fp32 = sum_k weight * SwiGLU expert_k(x) (+ shared [T, D],
     the shared experts' output, added in the pass that sums the pairs)."""
-    T, D = x.shape
-    K = topk_ids.shape[1]
-    E = w13_packed.shape[0]
-    x, topk_ids, topk_weights, shared = (None if t is None else t.contiguous() for t in (x, topk_ids, topk_weights,
-                                                                                         shared))
+    (T, D), K, E = x.shape, topk_ids.shape[1], w13_packed.shape[0]
+    x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
+    shared = None if shared is None else shared.contiguous()
     if out is None:
         out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     pair_ids, slots = _moe_sort(topk_ids, E)
@@ -1083,10 +1052,11 @@ def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
 # (k_norm'ed, rotated) and value written to the drafter's cache at its slot. Grid: (token, head of the H q, KV k,
 # KV v heads). One launch instead of ~10. Reference: draft.qkv_norm_rope.
 @triton.jit
-def _norm_rope_head(src, w_ptr, cos, sin, HD: tl.constexpr, EPS: tl.constexpr, INTERLEAVED: tl.constexpr):
-    # one head's RMSNorm then rope, rounded where the references round; the partner columns are loaded again rather
-    # than permuted in registers, and normalized with the same statistics
+def _norm_rope_head(src, w_ptr, cos_ptr, sin_ptr, n, HD: tl.constexpr, EPS: tl.constexpr, INTERLEAVED: tl.constexpr):
+    # one head of token n: RMSNorm then rope, rounded where the references round; the partner columns are loaded
+    # again rather than permuted in registers, and normalized with the same statistics
     cols = tl.arange(0, HD)
+    cos, sin = tl.load(cos_ptr + n * HD + cols), tl.load(sin_ptr + n * HD + cols)
     pc = _partner(cols, HD, INTERLEAVED)
     x = tl.load(src + cols)
     xf = x.to(tl.float32)
@@ -1108,12 +1078,10 @@ def _qkv_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, 
     slot = tl.load(slots_ptr + n)
     if j < H:                                            # a query head: only the block's rows (t >= Q0) want one
         if t >= Q0:
-            y = _norm_rope_head(src, qw_ptr, tl.load(cos_ptr + n * HD + cols), tl.load(sin_ptr + n * HD + cols),
-                                HD, EPS, INTERLEAVED)
+            y = _norm_rope_head(src, qw_ptr, cos_ptr, sin_ptr, n, HD, EPS, INTERLEAVED)
             tl.store(q_ptr + ((b * (T - Q0) + t - Q0) * H + j) * HD + cols, y)
     elif j < H + KV:                                     # a key head: normalized, rotated, into the cache
-        y = _norm_rope_head(src, kw_ptr, tl.load(cos_ptr + n * HD + cols), tl.load(sin_ptr + n * HD + cols),
-                            HD, EPS, INTERLEAVED)
+        y = _norm_rope_head(src, kw_ptr, cos_ptr, sin_ptr, n, HD, EPS, INTERLEAVED)
         tl.store(k_ptr + b * sk_b + slot * sk_s + (j - H) * sk_h + cols, y)
     else:                                                # a value head: copied into the cache as it is
         tl.store(v_ptr + b * sv_b + slot * sv_s + (j - H - KV) * sv_h + cols, tl.load(src + cols))
@@ -1125,8 +1093,7 @@ def _qkv_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr, 
     and qkv.dtype == q_weight.dtype == k_weight.dtype == cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype))
 def qkv_norm_rope(qkv, n_heads, n_kv, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots, q_start,
                   interleaved=False):
-    B, T, W = qkv.shape
-    hd = q_weight.shape[0]
+    (B, T, W), hd = qkv.shape, q_weight.shape[0]
     rows = qkv.reshape(B * T, W)               # a view for qkv contiguous or a row-strided one
     cos, sin, slots = cos.contiguous(), sin.contiguous(), slots.contiguous()
     q = torch.empty(B, T - q_start, n_heads, hd, dtype=qkv.dtype, device=qkv.device)        # [B, bs, H, hd]
@@ -1149,9 +1116,7 @@ def _block_attn_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, o_ptr, lse_ptr, out_ptr,
                        G: tl.constexpr, HD: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_Q: tl.constexpr,
                        BLOCK_S: tl.constexpr, DIRECT: tl.constexpr):
     KV = H // G
-    b = tl.program_id(2) // KV
-    c = tl.program_id(2) % KV
-    split = tl.program_id(1)
+    b, c, split = tl.program_id(2) // KV, tl.program_id(2) % KV, tl.program_id(1)
     L = tl.load(prefix_ptr + b).to(tl.int32) + T
     split_len = _split_len(L, NUM_SPLITS, MIN_SPLIT, BLOCK_S)
     s_start = split * split_len
@@ -1200,8 +1165,7 @@ DRAFT_ATTN = dict(BLOCK_Q=16, BLOCK_S=64, num_warps=4, min_split_len=512, max_sp
     _glue(q) and _pow2(q.shape[-1], 16) and q.dtype == k_cache.dtype == v_cache.dtype
     and k_cache.stride(-1) == v_cache.stride(-1) == 1 and (out is None or out.is_contiguous())))
 def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale, out=None):
-    B, T, H, hd = q.shape
-    S, KV = k_cache.shape[1], k_cache.shape[2]
+    (B, T, H, hd), (S, KV) = q.shape, k_cache.shape[1:3]
     q, prefix_len = q.contiguous(), prefix_len.contiguous()
     out = torch.empty_like(q) if out is None else out
     cfg, G = DRAFT_ATTN, H // KV
@@ -1265,8 +1229,7 @@ def _store_ranked(key, logp_row, V, lp_out, tok_out):
 def _rank_chunk_kernel(logp_ptr, keys_ptr, lp_ptr, tok_ptr, V, N_CHUNKS, K: tl.constexpr, CHUNK: tl.constexpr,
                        FINAL: tl.constexpr):
     # the chunk's K largest keys in descending order -> keys[row, chunk, :]; FINAL (one chunk a row): to lp / tok
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     key = _token_keys(logp_ptr + row * V, chunk * CHUNK + tl.arange(0, CHUNK), V)
     for j in range(K):
         best = tl.max(key, 0)
@@ -1494,8 +1457,7 @@ def accept(tree, target_tokens):
 @triton.jit
 def _commit_kv_kernel(cache_ptr, start_ptr, accepted_ptr, len_ptr, N, C, stride_l, stride_b, stride_s,
                       BLOCK_C: tl.constexpr):
-    layer = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
+    layer, b = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     base = cache_ptr + layer * stride_l + b * stride_b + tl.load(start_ptr + b) * stride_s
     n = tl.load(len_ptr + b)
     for j in range(1, N):                    # node 0 (the root) is already at slot start

@@ -51,6 +51,7 @@ import checkpoint as C
 import draft as D
 import model as M
 import tokenizer as tk
+import verify as V
 
 TARGET_DIR, DRAFT_DIR = "tiny-k2", "tiny-k2-dflash"   # the names generate.py looks for under checkpoints/
 GROUP = 32                                            # INT4 group size (K2.6)
@@ -67,20 +68,20 @@ PRESETS = {
                 batch=16, steps=2500, lr=3e-3, bias_u=1e-2,
                 draft_layers=2, draft_inter=384, draft_steps=2000, draft_batch=8, anchors=16, draft_lr=2e-3,
                 max_files=0, eval_windows=256, log_every=50, eval_prompts=4,
-                distill_rollouts=8192, distill_steps=1500),
+                distill_rollouts=12288, distill_sampled=1 / 3, distill_steps=2250),
     "test": dict(bpe_vocab=512,
                  dim=64, layers=2, heads=4, q_lora=32, kv_lora=32, nope=16, rope=16, v=16, dense_inter=128,
                  moe_inter=32, experts=8, topk=2, ctx=64,
                  batch=8, steps=40, lr=3e-3, bias_u=1e-2,
                  draft_layers=1, draft_inter=128, draft_steps=30, draft_batch=4, anchors=4, draft_lr=3e-3,
                  max_files=24, eval_windows=16, log_every=10, eval_prompts=1,
-                 distill_rollouts=64, distill_steps=5),
+                 distill_rollouts=64, distill_sampled=0.5, distill_steps=5),
 }
 # gpu: the cpu preset's small target with twice its context and more drafter training. A first trial on an H200
 # with a 4x larger target (dim 256, 6 layers, 3000 x 32 x 256 tokens) overfit the ~2M-token corpus: held-out
 # loss bottomed at 3.75 (step 1000) and ended at 4.39 while the training loss fell to 0.94.
 PRESETS["gpu"] = dict(PRESETS["cpu"], ctx=256, draft_layers=3, draft_steps=1500, log_every=100,
-                      distill_rollouts=16384, rollout_batch=256, distill_steps=4000)
+                      distill_rollouts=24576, rollout_batch=256, distill_steps=6000)
 
 # -----------------------------------------------------------------------------------------------
 # 1. Corpus: the running interpreter's standard library, minus test suites and generated tables.
@@ -538,16 +539,24 @@ def sample_anchors(B: int, T: int, A: int, bs: int, gen: torch.Generator) -> tor
     return torch.stack([torch.randperm(T - bs, generator=gen)[:A] + 1 for _ in range(B)]).sort(dim=1).values
 
 
-def drafter_loss(drafter, target: M.Transformer, tokens: torch.Tensor, anchors: torch.Tensor, gamma: float = 4.0):
-    """Position-decayed CE over block slots 1..bs-1. Returns (loss, top-1 accuracy per slot [bs-1])."""
+def drafter_loss(drafter, target: M.Transformer, tokens: torch.Tensor, anchors: torch.Tensor,
+                 soft: torch.Tensor | None = None, gamma: float = 4.0):
+    """Position-decayed cross-entropy over block slots 1..bs-1, against the tokens (hard labels) or, on the rows
+    where soft [B] is True, against the target's own distribution at each label's position (soft labels: a tree
+    drafted from them is what sampling verification accepts). Returns (loss, top-1 accuracy per slot [bs-1])."""
     bs = drafter.args.block_size
     with torch.no_grad(), torch.autocast(tokens.device.type, enabled=False):   # the target exactly as it serves
-        _, feats = target(tokens, hidden_layers=tuple(drafter.target_layer_ids))   # [B, T, n_taps*D]
+        t_logits, feats = target(tokens, hidden_layers=tuple(drafter.target_layer_ids))   # [B, T, V], [B, T, taps*D]
     h = drafter_train_forward(drafter, target.embed_tokens, feats, tokens, anchors)   # [B, A, bs, D]
     logits = target.head(h[:, :, 1:].to(target.lm_head.weight.dtype))              # [B, A, bs-1, V] fp32
     k = torch.arange(1, bs, device=tokens.device)
-    labels = tokens.gather(1, (anchors[:, :, None] + k).flatten(1)).view_as(logits[..., 0])
+    pos = (anchors[:, :, None] + k).flatten(1)                                      # [B, A*(bs-1)] label positions
+    labels = tokens.gather(1, pos).view_as(logits[..., 0])                          # [B, A, bs-1]
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    if soft is not None and soft.any():     # the target's distribution over label i is its output at position i-1
+        p = t_logits.float().gather(1, (pos - 1)[..., None].expand(-1, -1, logits.shape[-1])).softmax(-1)
+        soft_ce = -(p.view_as(logits) * logits.float().log_softmax(-1)).sum(-1)    # [B, A, bs-1]
+        ce = torch.where(soft[:, None, None], soft_ce, ce)
     w = torch.exp(-(k - 1) / gamma)                                                  # [bs-1]
     loss = (ce * w).sum(-1).mean() / w.sum()
     return loss, (logits.argmax(-1) == labels).float().mean((0, 1))
@@ -555,7 +564,7 @@ def drafter_loss(drafter, target: M.Transformer, tokens: torch.Tensor, anchors: 
 
 def train_drafter(drafter, target, train, val, p, device, log, batch_fn=None, steps=None, lr=None,
                   tag="drafter") -> None:
-    """The DFlash recipe on corpus windows; batch_fn(gen) -> (tokens, anchors) swaps in other data
+    """The DFlash recipe on corpus windows; batch_fn(gen) -> (tokens, anchors, soft) swaps in other data
     (the self-distillation stage below)."""
     a, steps, lr = drafter.args, steps or p["draft_steps"], lr or p["draft_lr"]
     opt = make_optimizer(drafter, lr, wd=0.01)
@@ -568,10 +577,11 @@ def train_drafter(drafter, target, train, val, p, device, log, batch_fn=None, st
         if batch_fn is None:
             tokens = get_batch(train, p["draft_batch"], p["ctx"] - 1, gen, device)      # [B, ctx]
             anchors = sample_anchors(tokens.shape[0], p["ctx"], p["anchors"], a.block_size, gen).to(device)
+            soft = None
         else:
-            tokens, anchors = batch_fn(gen)
+            tokens, anchors, soft = batch_fn(gen)
         with autocast(device):
-            loss, _ = drafter_loss(drafter, target, tokens, anchors)
+            loss, _ = drafter_loss(drafter, target, tokens, anchors, soft)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -593,37 +603,44 @@ def train_drafter(drafter, target, train, val, p, device, log, batch_fn=None, st
 
 
 @torch.no_grad()
-def greedy_rollouts(target: M.Transformer, data: torch.Tensor, n: int, prefix: int, new: int, batch: int,
-                    gen: torch.Generator, device) -> torch.Tensor:
-    """n sequences [n, prefix + new]: a random corpus window of `prefix` tokens, then the target's own greedy
-    continuation (batched, with the KV cache). On the continuation, a block's labels are exactly the tokens
-    greedy verification accepts: corpus labels teach the drafter the data, these teach it the target."""
+def rollouts(target: M.Transformer, data: torch.Tensor, n: int, prefix: int, new: int, batch: int,
+             gen: torch.Generator, device, temperature: float = 0.0) -> torch.Tensor:
+    """n sequences [n, prefix + new]: a random corpus window of `prefix` tokens, then the target's own continuation
+    (batched, with the KV cache), greedy at temperature 0, else sampled. On a greedy continuation a block's labels
+    are exactly the tokens greedy verification accepts: corpus labels teach the drafter the data, these the target."""
     target.setup_cache(batch, prefix + new)
+    noise = torch.Generator(device).manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    pick = lambda logits: V.sample(logits[:, -1], temperature, generator=noise)              # [batch]
     seqs = []
     for _ in range(max(1, n // batch)):
         x = get_batch(data, batch, prefix - 1, gen, device)                                # [batch, prefix]
-        out = [target(x, start_pos=0, last_only=True)[:, -1].argmax(-1)]                   # [batch]
+        out = [pick(target(x, start_pos=0, last_only=True))]
         for t in range(new - 1):
-            out.append(target(out[-1][:, None], start_pos=prefix + t)[:, -1].argmax(-1))
+            out.append(pick(target(out[-1][:, None], start_pos=prefix + t)))
         seqs.append(torch.cat([x, torch.stack(out, 1)], 1))
     return torch.cat(seqs)                                                                  # [n, prefix + new]
 
 
 def distill_drafter(drafter, target, train, val, p, device, log) -> None:
-    """Self-distillation: fine-tune the drafter on the target's greedy rollouts, anchors in the rollout part.
-    (A trial on the cpu preset: held-out mid-file accept length at budget 8 went from 2.1 to 3.2.)"""
+    """Self-distillation: fine-tune the drafter on the target's own rollouts, anchors in the rollout part. Greedy
+    rollouts with their tokens as labels teach greedy decoding; rollouts sampled at temperature 1 with the target's
+    distributions as labels (soft) teach what sampling accepts. (A trial on the cpu preset, greedy rollouts only:
+    held-out mid-file accept length at budget 8 went from 2.1 to 3.2.)"""
     prefix, new, bs = p["ctx"] // 2, p["ctx"] // 2, drafter.args.block_size
-    t0 = time.time()
-    seqs = greedy_rollouts(target, train, p["distill_rollouts"], prefix, new, p.get("rollout_batch", 64),
-                           torch.Generator().manual_seed(11), device)
-    print(f"distill: {len(seqs)} greedy rollouts of {new} tokens ({time.time() - t0:.0f} s)", flush=True)
+    t0, gen, n = time.time(), torch.Generator().manual_seed(11), p["distill_rollouts"]
+    n_sampled = round(n * p.get("distill_sampled", 0.0))
+    seqs = torch.cat([rollouts(target, train, k, prefix, new, p.get("rollout_batch", 64), gen, device, temp)
+                      for k, temp in ((n - n_sampled, 0.0), (n_sampled, 1.0)) if k])       # [n, prefix + new]
+    soft = torch.arange(len(seqs), device=device) >= len(seqs) - n_sampled                 # [n] sampled rows
+    print(f"distill: {len(seqs) - int(soft.sum())} greedy and {int(soft.sum())} sampled rollouts of {new} tokens "
+          f"({time.time() - t0:.0f} s)", flush=True)
 
     def batch_fn(gen):
-        ix = torch.randint(len(seqs), (p["draft_batch"],), generator=gen)
+        ix = torch.randint(len(seqs), (p["draft_batch"],), generator=gen).to(seqs.device)
         n_anchor = min(p["anchors"], new - bs)
         anchors = torch.stack([torch.randperm(new - bs, generator=gen)[:n_anchor] + prefix
                                for _ in range(len(ix))]).sort(1).values
-        return seqs[ix.to(seqs.device)], anchors.to(device)
+        return seqs[ix], anchors.to(device), soft[ix]
     train_drafter(drafter, target, train, val, p, device, log, batch_fn=batch_fn, steps=p["distill_steps"],
                   lr=p["draft_lr"] / 2, tag="distill")
 
@@ -665,7 +682,8 @@ def accept_lengths(target_dir: str, draft_dir: str, val: torch.Tensor, tok: tk.T
     middles = torch.randint(len(val) - prompt_len - 1, (2 * n_prompts,), generator=g).tolist()
     out = {}
     for where, starts in [("", openings), ("_midfile", middles)]:
-        for name, kw in [("ddtree_b8", dict(budget=8)), ("chain", dict(chain=True, budget=8))]:
+        for name, kw in [("ddtree_b8", dict(budget=8)), ("chain", dict(chain=True, budget=8)),
+                         ("ddtree_b8_t1", dict(budget=8, temperature=1.0))]:
             lens = []
             for s in starts:
                 stats = G.Stats()
@@ -712,6 +730,7 @@ def write_model_card(out: str, r: dict, p: dict) -> None:
     else:
         trained = (f"{p['steps']} steps x {p['batch']} x {p['ctx']} tokens, then {p['qat_steps']} quantization-aware "
                    f"steps ({qat_outcome(r)})" + (f"; trained by an earlier run, copied from `{src}`." if src else "."))
+    sampled = p.get("distill_sampled", 0.0)
     steps_s = ", ".join(f"{k} {v:.0f}" for k, v in r.get("stage_seconds", {}).items())
     card = f"""# tiny-k2 + tiny-k2-dflash
 
@@ -741,16 +760,17 @@ YaRN x4 over a {p['ctx']}-token training context; {fmt(r, 'target_params', ',')}
 **Drafter** (`{DRAFT_DIR}/`, public DFlash layout): {p['draft_layers']} Qwen3-style layers, block size 8, target
 layers {r['taps']}, mask token {r['mask_id']} ([UNK]); {r['draft_params']:,} parameters, {mb(r['draft_bytes'])}.
 {p['draft_steps']} steps x {p['draft_batch']} sequences x {p['anchors']} random anchors against the exported INT4
-target, then {p.get('distill_steps', 0)} self-distillation steps on {p.get('distill_rollouts', 0)} greedy rollouts of the
-target (labels = the tokens greedy verification accepts). Held-out loss (corpus labels) {r['draft_val']:.4f}; top-1
-accuracy per block slot 1..7: {r['draft_acc']}.
+target, then {p.get('distill_steps', 0)} self-distillation steps on {p.get('distill_rollouts', 0)} rollouts of the
+target: {1 - sampled:.0%} greedy (labels = the tokens greedy verification accepts), {sampled:.0%} sampled at
+temperature 1 (labels = the target's distribution at each position). Held-out loss (corpus labels)
+{r['draft_val']:.4f}; top-1 accuracy per block slot 1..7: {r['draft_acc']}.
 
-**Speculative decoding** (greedy, 96-token held-out prompts, 96 new tokens, tokens per target forward):
+**Speculative decoding** (96-token held-out prompts, 96 new tokens, tokens per target forward):
 
-| prompts | DDTree budget 8 | DFlash chain |
-|---|---|---|
-| {p['eval_prompts']} held-out file openings | {r['accept']['ddtree_b8']:.2f} | {r['accept']['chain']:.2f} |
-| {2 * p['eval_prompts']} windows from the middle of held-out files | {r['accept']['ddtree_b8_midfile']:.2f} | {r['accept']['chain_midfile']:.2f} |
+| prompts | DDTree budget 8, greedy | DFlash chain, greedy | DDTree budget 8, temperature 1 |
+|---|---|---|---|
+| {p['eval_prompts']} held-out file openings | {r['accept']['ddtree_b8']:.2f} | {r['accept']['chain']:.2f} | {r['accept']['ddtree_b8_t1']:.2f} |
+| {2 * p['eval_prompts']} windows from the middle of held-out files | {r['accept']['ddtree_b8_midfile']:.2f} | {r['accept']['chain_midfile']:.2f} | {r['accept']['ddtree_b8_t1_midfile']:.2f} |
 
 Total on disk: {mb(r['total_bytes'])} (budget {mb(SIZE_BUDGET)}).
 """
@@ -841,7 +861,8 @@ def main(a: argparse.Namespace) -> dict:
     r["seconds"] = time.time() - t_start
     write_log(out, log, r)
     write_model_card(out, r, p)
-    print(f"mean accept length: DDTree budget 8 {r['accept']['ddtree_b8']:.2f}, chain {r['accept']['chain']:.2f}; "
+    print(f"mean accept length: DDTree budget 8 {r['accept']['ddtree_b8']:.2f} (temperature 1: "
+          f"{r['accept']['ddtree_b8_t1']:.2f}), chain {r['accept']['chain']:.2f}; "
           f"{r['total_bytes'] / 1e6:.2f} MB on disk; done in {r['seconds']:.0f} s, see {out}/model_card.md")
     if r["total_bytes"] > SIZE_BUDGET:
         print(f"WARNING: {r['total_bytes'] / 1e6:.2f} MB is over the {SIZE_BUDGET / 1e6:.0f} MB budget")

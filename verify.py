@@ -34,13 +34,9 @@ def verify_inputs(tree: Tree, start_pos: torch.Tensor | int) -> tuple[torch.Tens
     return tree.tokens, positions, tree.ancestor_mask if tree.mask_bits is None else tree.mask_bits
 
 
-def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of logits [..., V] (fp32): argmax at temperature 0, else a sample from
-    softmax(logits / T) restricted to the top-k / top-p set. No host synchronisation: the sample is
-    argmax(p / E) with E ~ Exponential(1), which is distributed as p (the exponential-race trick)."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """logits [..., V] -> the distribution sample() draws from: softmax(logits / T) restricted to the top-k / top-p
+    set (temperature > 0)."""
     logits = logits.float() / temperature
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1)[0][..., -1:]
@@ -50,7 +46,17 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= top_p           # keep the smallest prefix reaching top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)                                  # [..., V]
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of logits [..., V] (fp32): argmax at temperature 0, else a sample from sampling_probs. No
+    host synchronisation: the sample is argmax(p / E) with E ~ Exponential(1), which is distributed as p (the
+    exponential-race trick)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = sampling_probs(logits, temperature, top_k, top_p)
     noise = torch.empty_like(probs).exponential_(1, generator=generator)
     return (probs / noise).argmax(dim=-1)
 

@@ -291,3 +291,87 @@ def test_allreduce_under_torchrun_gloo(tmp_path):
     res = json.loads(out.read_text())["allreduce"]
     assert res["world_size"] == 2 and [r["T"] for r in res["rows"]] == [1, 9]
     assert all(r["eager_us"] > 0 and r["graph_us"] is None for r in res["rows"])
+
+
+# ----------------------------------------------------------------------------------------------
+# --bound: the accept of a perfect drafter (the target drafting its own tree)
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny.random_model(tiny.text_config(), seed=3).eval()
+
+
+def last_logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0, -1]                                              # [V]
+
+
+def test_sampling_probs_is_what_verify_samples():
+    import verify as V
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(0)) * 2                 # [V]
+    assert torch.equal(bench.sampling_probs(logits, 0.0), torch.nn.functional.one_hot(logits.argmax(), 12).float())
+    g = torch.Generator().manual_seed(1)
+    for temp, k, p in ((1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8)):
+        probs = bench.sampling_probs(logits, temp, k, p)
+        draws = V.sample(logits.expand(40000, 12), temp, k, p, generator=g)                   # [40000]
+        freq = torch.bincount(draws, minlength=12).float() / 40000
+        assert (freq - probs).abs().max() < 0.01 and torch.equal(probs > 0, freq > 0)
+
+
+def test_oracle_tree_is_the_best_prefix_closed_set(target):
+    """Depth 2, budget 6: the tree's path probabilities are the 6 best of all paths (brute force), in order."""
+    ctx = [5, 17, 42, 8]
+    p1 = bench.sampling_probs(last_logits(target, ctx), 1.0)                                  # [V]
+    paths = {(a,): p1[a].item() for a in range(len(p1))}
+    for a in p1.topk(6).indices.tolist():       # only a top-6 first token can lead a top-6 depth-2 path
+        p2 = bench.sampling_probs(last_logits(target, ctx + [a]), 1.0)
+        paths.update({(a, b): paths[(a,)] * p2[b].item() for b in range(len(p2))})
+    best = sorted(paths.values(), reverse=True)[:6]
+    parent, token, prob, logits = bench.oracle_tree(target, ctx, 6, 2, 1.0)
+    assert len(token) == len(logits) == 7 and token[0] == ctx[-1] and prob[0] == 1.0
+    assert prob[1:] == pytest.approx(best, rel=1e-5)
+    assert all(0 <= parent[i] < i for i in range(1, 7))                                      # prefix-closed
+
+
+def test_bound_greedy_commits_the_whole_chain(target):
+    """Temperature 0: the tree is the greedy chain (depth min(B, L)), the walk takes all of it plus the bonus."""
+    ctx = [3, 1, 4, 1, 5]
+    parent, token, prob, _ = bench.oracle_tree(target, ctx, 8, 4, 0.0)
+    greedy = []
+    for _ in range(4):
+        greedy.append(last_logits(target, ctx + greedy).argmax().item())
+    assert parent == [-1, 0, 1, 2, 3] and token[1:] == greedy and prob == [1.0] * 5
+    for budget, depth in ((1, 4), (3, 4), (4, 4), (8, 4), (8, 7)):
+        steps = bench.oracle_decode(target, ctx, 30, budget, depth, 0.0, seed=0, max_seq_len=200)
+        assert len(steps) >= 3 and all(s == (min(budget, depth) + 1, min(budget, depth) + 1) for s in steps)
+
+
+def test_bound_budget_one_is_one_plus_max_prob(target):
+    """Temperature 1, budget 1: the one node is the argmax, so E[accept] = 1 + max p (exactly, per step); the
+    sampled accepts average to their expectations (budget 1 and 4)."""
+    ctx = [7, 7, 2, 9]
+    probs = bench.sampling_probs(last_logits(target, ctx), 1.0)                               # [V]
+    parent, token, prob, _ = bench.oracle_tree(target, ctx, 1, 7, 1.0)
+    assert parent == [-1, 0] and token[1] == probs.argmax().item() and prob[1] == pytest.approx(probs.max().item())
+    for budget in (1, 4):
+        steps = [s for seed in range(4) for s in bench.oracle_decode(target, [seed + 10, 20, 30], 80, budget, 7, 1.0,
+                                                                     seed=seed, max_seq_len=250)]
+        sampled, expected = sum(k for k, _ in steps) / len(steps), sum(e for _, e in steps) / len(steps)
+        assert len(steps) > 100 and 1 < expected and abs(sampled - expected) < 0.1, (budget, sampled, expected)
+        if budget == 1:
+            assert all(1 < e < 2 for _, e in steps)
+
+
+def test_e2e_bound(pair, capsys):
+    res = bench.main(["e2e", "--device", "cpu", "--ckpt", str(pair / "target"), "--draft", str(pair / "draft"),
+                      "--budgets", "1,4", "--n-prompts", "2", "--max-new-tokens", "10", "--warmup", "0",
+                      "--no-chain", "--bound"])["e2e"]
+    assert "drafter/bound" in capsys.readouterr().out
+    L = res["block_size"] - 1
+    for r in res["runs"]:
+        if r["mode"] == "ddtree":
+            assert 1 <= r["accept_bound"] <= min(r["budget"], L) + 1
+            if r["temperature"] == 0:
+                assert r["accept_bound"] == r["accept_bound_expected"] == min(r["budget"], L) + 1
+        else:
+            assert "accept_bound" not in r

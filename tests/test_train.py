@@ -155,6 +155,37 @@ def test_drafter_train_forward_equals_inference(corpus):
     assert acc.shape == (7,) and all(p.grad is not None for p in drafter.parameters())
 
 
+def test_soft_labels_are_the_targets_next_token_distribution(corpus):
+    """On soft rows the drafter's loss is the cross-entropy against the target's distribution over each label
+    token given every token before it (checked against separate prefix forwards); on hard rows it is the corpus
+    tokens'. Sampled rollouts continue the window with tokens the target can produce."""
+    torch.manual_seed(0)
+    target, _ = _target(corpus, layers=2)
+    randomize_(target, seed=1)
+    dcfg = TR.drafter_config(dict(P, draft_layers=1), target.args, corpus[3].num_base_tokens)
+    drafter = D.DFlashDrafter(D.DraftArgs.from_config(dcfg))
+    randomize_(drafter, seed=2)
+    seqs = TR.rollouts(target, corpus[5], 2, 8, 24, 2, torch.Generator().manual_seed(0), "cpu", temperature=1.0)
+    assert seqs.shape == (2, 32) and int(seqs.max()) < target.args.vocab_size
+    target.kv_cache = None                      # rollouts set up a cache: full forwards below
+    anchors = torch.tensor([[9, 20], [12, 16]])
+    with torch.no_grad():
+        hard, _ = TR.drafter_loss(drafter, target, seqs, anchors)
+        soft, _ = TR.drafter_loss(drafter, target, seqs, anchors, soft=torch.tensor([True, True]))
+        _, feats = target(seqs, hidden_layers=tuple(drafter.target_layer_ids))
+        h = TR.drafter_train_forward(drafter, target.embed_tokens, feats, seqs, anchors)
+        q = target.head(h[:, :, 1:]).log_softmax(-1)                                # [B, A, 7, V]
+        w = torch.exp(-torch.arange(7) / 4.0)
+        ref = 0.0
+        for b in range(2):
+            for i, a in enumerate(anchors[b].tolist()):
+                for k in range(1, 8):
+                    p = target(seqs[b:b + 1, :a + k])[0, -1].softmax(-1)            # the label's distribution
+                    ref += -(p * q[b, i, k - 1]).sum() * w[k - 1]
+    torch.testing.assert_close(soft, ref / 4 / w.sum(), atol=1e-4, rtol=1e-4)
+    assert not torch.isclose(soft, hard)
+
+
 MAIN_ARGS = ["--preset", "test", "--steps", "6", "--draft-steps", "4", "--max-files", "12"]
 STAGES = {"corpus", "tokenizer", "target", "drafter", "distill", "eval"}
 
