@@ -367,21 +367,6 @@ class DFlashDrafter(nn.Module):
             self.ctx_cache[i, 1, row:row + B, ctx_len:ctx_len + n] = v
 
     @torch.no_grad()
-    def add_context(self, ctx_feats: torch.Tensor, ctx_len: torch.Tensor, n_valid: torch.Tensor) -> None:
-        """append_context in a fixed-shape step (no host read): row b's first n_valid[b] rows of ctx_feats
-        [B, n, taps*D] go to its slots ctx_len[b].. (LongTensors [B]); the padding rows go to the cache's last
-        slot, past every block, where no draft reads."""
-        f = self.fuse(ctx_feats)                                                          # [B, n, D]
-        B, n, _ = f.shape
-        i = self.ids[:n]
-        slots = torch.where(i < n_valid[:, None], ctx_len[:, None] + i, self.ctx_cache.shape[3] - 1)  # [B, n]
-        cos, sin = self.rope_cos[slots], self.rope_sin[slots]                             # [B, n, hd]
-        for layer, cache in zip(self.layers, self.ctx_cache):
-            k, v = layer.self_attn.kv(f, cos, sin)                                        # [B, n, n_kv, hd]
-            cache[0, self.ids[:B, None], slots] = k
-            cache[1, self.ids[:B, None], slots] = v
-
-    @torch.no_grad()
     def draft_logits(self, target: M.Transformer, last_token: torch.Tensor, ctx_feats: torch.Tensor,
                      ctx_len, n_valid=None) -> torch.Tensor:
         """last_token [B] (last committed / bonus token) -> fp32 logits [B, bs-1, V] for the block_size-1

@@ -3,7 +3,6 @@ or DDTree speculative decoding.
 
     python generate.py --raw --prompt "def fib(n):"       # the bundled tiny pair continues code (CPU ok)
     python generate.py --raw --prompt "def fib(n):" --budget 16 --show-tree --trace step.html
-    python generate.py --raw --prompt "def fib(n):" --budget auto --temperature 1   # AR or a tree, the faster
     python generate.py                                    # a terminal on stdin: chat through the chat template
     torchrun --nproc-per-node 8 generate.py --ckpt <Kimi-K2.6 dir> --draft <DFlash dir> --prompt "Hi" --cuda-graph
     torchrun --nproc-per-node 8 generate.py --ckpt random:k2.6 --prompt-ids 1,2,3 --cuda-graph   # no download
@@ -13,13 +12,11 @@ at temperature T every committed token is a sample of the target's own distribut
 
 The step is written once, Step.spec: 1 draft, 2 build tree, 3 verify, 4 accept, 5 commit (Step.ar: one token),
 on fixed-shape buffers with no host sync inside. generate_batch's loop calls it (eager), torch.compile of it
-(--compile) or its CUDA graph (--cuda-graph), one per budget; generate() is generate_batch for one prompt.
---budget auto: before each step AutoBudget picks the budget (0: one token) expected to be fastest.
+(--compile) or its CUDA graph (--cuda-graph); generate() is generate_batch for one prompt.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import time
@@ -40,7 +37,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BUNDLED_TARGET = os.path.join(HERE, "checkpoints", "tiny-k2")
 BUNDLED_DRAFT = os.path.join(HERE, "checkpoints", "tiny-k2-dflash")
 MAX_BUDGET = 1024      # verify width B+1; above 64 rows the tree attention runs its PyTorch reference
-AUTO_BUDGETS = (0, 4, 8, 16)   # --budget auto chooses among these before each step (0: one autoregressive token)
 # torch.compile of the step rounds every intermediate to the model dtype where eager does: without it inductor keeps
 # fused intermediates in fp32, a slightly different bf16 target from the eager one the drafter was distilled
 # against, and the compiled step accepts fewer draft tokens. fp32 is unaffected.
@@ -67,7 +63,6 @@ class Stats:
     accept_lens: list = field(default_factory=list)
     stage_s: dict = field(default_factory=lambda: {"draft": 0.0, "tree": 0.0, "verify": 0.0, "commit": 0.0})
     step_s: list = field(default_factory=list)     # per step: {stage: seconds} (eager: each stage; else the step)
-    budgets: Counter = field(default_factory=Counter)   # steps run at each budget (0: one token)
     stopped: str = ""
 
     @property
@@ -81,11 +76,6 @@ class Stats:
 
     def histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.accept_lens).items()))
-
-    def budget_mix(self) -> str:
-        """The share of steps run at each budget, e.g. "0:12% 4:20% 8:68%" (--budget auto's choices)."""
-        n = sum(self.budgets.values())
-        return " ".join(f"{b}:{100 * k / n:.0f}%" for b, k in sorted(self.budgets.items()))
 
 
 class _Clock:
@@ -131,84 +121,74 @@ class View(NamedTuple):
 class Step:
     """One decoding step for a batch of rows, written once: spec (1 draft, 2 build tree, 3 verify, 4 accept,
     5 commit) and its autoregressive twin ar, on fixed-shape buffers updated in place, with no host sync inside.
-    One Step runs any of its budgets (a function, compiled or captured, per budget) on the same state: every token
-    it commits, one-token steps' too, joins the drafter's context, so the next draft sees them all.
     Every input a step reads lives in a buffer the step itself rewrites, never a fresh tensor (a captured graph
     keeps reading the tensors it was captured with). Row b uses cache row b. A finished row is masked, not
     removed: it commits nothing, and its step writes land past its last token, where nothing reads them."""
     cache: dict = {}       # one Step (and its graphs) per shape and setting, reused across calls: see get
 
     @classmethod
-    def get(cls, model, drafter, batch, max_seq_len, budgets, chain, sampling, mode="eager", debug=False) -> Step:
+    def get(cls, model, drafter, batch, max_seq_len, budget, chain, sampling, mode="eager", debug=False) -> Step:
         """The step for this shape and setting, made once, after the caches (grown only when too small: a captured
-        graph holds their addresses; in a batch a finished row still writes one step's width past its end).
-        budgets: the budgets it may run (0: one token)."""
-        room = max_seq_len + (max(Step.width(drafter, b, chain) for b in budgets) if batch > 1 else 0)
+        graph holds their addresses; in a batch a finished row still writes one step's width past its end)."""
+        room = max_seq_len + (Step.width(drafter, budget, chain) if batch > 1 else 0)
         if model.kv_cache is None or model.kv_cache.shape[1] < batch or model.max_seq_len < room:
             model.setup_cache(batch, room)
         c = getattr(drafter, "ctx_cache", None)
         if drafter is not None and (c is None or c.shape[2] < batch or drafter.max_ctx_len < max_seq_len):
             drafter.setup_cache(batch, max_seq_len)
         key = (id(model), model.kv_cache.data_ptr(), id(drafter), drafter and drafter.ctx_cache.data_ptr(), batch,
-               tuple(budgets), chain, sampling, mode, debug)
+               budget, chain, sampling, mode, debug)
         if key not in cls.cache:
-            cls.cache[key] = cls(model, drafter, batch, budgets, chain, sampling, "compile" in mode, "graph" in mode,
+            cls.cache[key] = cls(model, drafter, batch, budget, chain, sampling, "compile" in mode, "graph" in mode,
                                  debug and mode in ("eager", "static"))
         return cls.cache[key]
 
-    def __init__(self, model, drafter, batch, budgets, chain, sampling, compile=False, graph=False, debug=False):
+    def __init__(self, model, drafter, batch, budget, chain, sampling, compile=False, graph=False, debug=False):
         if graph and not kernels.ENABLED:
             raise ValueError("--cuda-graph with --no-triton: the reference MoE picks its experts on the host "
                              "(unique().tolist()), which a CUDA graph cannot capture; drop one of the two flags")
-        self.model, self.drafter, self.budgets, self.chain = model, drafter, tuple(budgets), chain
+        self.model, self.drafter, self.budget, self.chain = model, drafter, budget, chain
         self.sampling = sampling                   # (temperature, top_k, top_p)
         self.debug = debug                         # NaN/inf checks per layer (they read the host: eager only)
         dev, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
-        self.N = max(Step.width(drafter, b, chain) for b in self.budgets)
+        self.N = Step.width(drafter, budget, chain)
         self.taps = tuple(drafter.target_layer_ids) if drafter else ()
         bs, z = drafter.block_size if drafter else 1, lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
         self.bonus = z(batch)                      # [B] last committed token: the next tree's root
         self.start = z(batch)                      # [B] committed cache length: the bonus goes to slot start
         self.ctx_len = z(batch)                    # [B] context rows in the drafter's cache
-        self.n_ctx = z(batch)                      # [B] rows of ctx_feats it adds next: committed since its last call
-        # room for a tree's path (<= bs rows) or for up to 4 blocks of one-token steps between two drafter calls
-        self.ctx_feats = torch.zeros(batch, 4 * bs, len(self.taps) * model.args.hidden_size, dtype=dtype,
-                                     device=dev)   # [B, 4 bs, taps*D] the target's hidden states on those tokens
-        self.fill = 0                              # host-side bound on n_ctx, from the tokens each step committed
+        self.n_ctx = z(batch)                      # [B] rows of ctx_feats it adds next: the last committed path
+        self.ctx_feats = torch.zeros(batch, bs, len(self.taps) * model.args.hidden_size, dtype=dtype,
+                                     device=dev)   # [B, bs, taps*D] the target's hidden states on that path
         self.active = torch.ones(batch, dtype=torch.bool, device=dev)   # [B] False: finished, commits nothing
         self.out = z(batch, self.N + 1)            # [B, N+1] accept_len, then the committed tokens: one host copy
-        self.fns = {0: self.ar} | ({"feed": self.feed} if drafter else {}) | {
-            b: functools.partial(self.spec, b) for b in self.budgets if b}      # 0 too: the cache end's one token
+        self.fns = {True: self.spec, False: self.ar}
         if compile:
             # One specialization per shape (budget, batch, sampling), never a dynamic-shape graph: the shapes are
             # fixed by design, and a symbolic recompile for a second budget fails gather(out=)'s overlap check.
             # Every budget, temperature and the chain is its own entry, hence the larger limit.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.fns = {k: torch.compile(f, dynamic=False, options=compile_options()) for k, f in self.fns.items()}
-        self.compiled, self.graphs = compile, {} if graph else None   # budget -> (CUDA graph, the View it rewrites)
-        self.ran, self.fresh = set(), False        # fns called so far; the last run compiled or captured one
-        self.control: AutoBudget | None = None     # --budget auto's choices, kept across calls with this step
+        self.graphs = {} if graph else None        # spec or ar -> (CUDA graph, the View its replays rewrite)
         self.view: View | None = None
 
     @staticmethod
     def width(drafter, budget: int, chain: bool) -> int:
-        """Tokens per target forward: the tree's budget + 1 nodes, the chain's block, or one token (budget 0)."""
-        return 1 if drafter is None or budget == 0 else drafter.block_size if chain else budget + 1
+        """Tokens per target forward: the tree's budget + 1 nodes, the chain's block, or one token."""
+        return (drafter.block_size if chain else budget + 1) if drafter is not None else 1
 
-    def spec(self, budget: int, hook=None) -> View:
-        """One DDTree step of this budget (or a chain step) for every row. hook(stage) runs after each stage: eager
-        mode's clock; None when compiled or captured (then nothing inside the step waits for the device)."""
+    def spec(self, hook=None) -> View:
+        """One DDTree (or chain) step for every row. hook(stage) runs after each stage: eager mode's clock; None
+        when compiled or captured (then nothing inside the step waits for the device)."""
         m, d, lap = self.model, self.drafter, hook or (lambda stage: None)
-        N, bs = Step.width(d, budget, self.chain), d.block_size
-        # 1. draft: one drafter forward, after it caches the context rows committed since its last call
-        #    (ctx_feats[:, :n_ctx], n_ctx <= bs; the padding rows past n_ctx stay invisible)
-        draft_logits = d.draft_logits(m, self.bonus, self.ctx_feats[:, :bs], self.ctx_len,
-                                      n_valid=self.n_ctx)                                         # [B, L, V]
+        # 1. draft: one drafter forward, after it caches the context rows of the path committed last step
+        #    (ctx_feats[:, :n_ctx]; the padding rows past n_ctx stay invisible)
+        draft_logits = d.draft_logits(m, self.bonus, self.ctx_feats, self.ctx_len, n_valid=self.n_ctx)  # [B, L, V]
         self.ctx_len += self.n_ctx
         lap("draft")
         # 2. build tree: the `budget` most probable prefixes under the drafter's marginals (or its top-1 chain)
-        tree = (T.chain_tree_batched(draft_logits, self.bonus, bs - 1) if self.chain
-                else T.build_tree_batched(draft_logits, self.bonus, budget))                      # fields [B, N]
+        tree = (T.chain_tree_batched(draft_logits, self.bonus, d.block_size - 1) if self.chain
+                else T.build_tree_batched(draft_logits, self.bonus, self.budget))                 # fields [B, N]
         lap("tree")
         # 3. verify: one target forward over every node (position start + depth, attending to its ancestors)
         ids, positions, mask = V.verify_inputs(tree, self.start)
@@ -222,37 +202,23 @@ class Step:
         # 5. commit: the path's KV to slots start.. (finished rows move nothing); its hidden states become the
         #    next context rows; its tokens, then the bonus, go to `out` for the host
         V.commit_kv(m.kv_cache, self.start, accepted, n)
-        k = min(N, bs)
+        k = min(self.N, d.block_size)
         torch.gather(hidden, 1, accepted[:, :k, None].expand(-1, -1, hidden.shape[-1]), out=self.ctx_feats[:, :k])
         self.n_ctx.copy_(n)
-        self.out[:, 1:N] = tree.tokens.gather(1, accepted[:, 1:])
+        self.out[:, 1:self.N] = tree.tokens.gather(1, accepted[:, 1:])
         self.out.scatter_(1, accept_len[:, None], bonus[:, None])
         self._advance(n, bonus)
         lap("commit")
         return View(tree, targets, accepted, accept_len, logits, draft_logits)
 
     def ar(self, hook=None) -> None:
-        """One autoregressive token per row: no drafter, budget 0, or a tree that no longer fits in the cache. With a
-        drafter, the bonus's hidden states join its next context rows, as a tree's accepted path does: a later draft
-        sees every committed token."""
-        res = self.model(self.bonus.view(-1, 1), start_pos=self.start, hidden_layers=self.taps, debug=self.debug)
-        logits = res[0] if self.taps else res                                                      # [B, 1, V]
+        """One autoregressive token per row: no drafter, budget 0, or a tree that no longer fits in the cache."""
+        logits = self.model(self.bonus.view(-1, 1), start_pos=self.start, debug=self.debug)       # [B, 1, V]
         tok = V.sample(logits[:, -1], *self.sampling)                                              # [B]
-        if self.taps:     # to row n_ctx (< 4 bs: run feeds the drafter before the rows run out)
-            hidden = res[1]                                                                        # [B, 1, taps*D]
-            self.ctx_feats.scatter_(1, self.n_ctx[:, None, None].expand(-1, 1, hidden.shape[-1]), hidden)
-            self.n_ctx += self.active
         self.out[:, 1] = tok
         self._advance(self.active, tok)            # one token per row still decoding
         if hook:
             hook("verify")
-
-    def feed(self, hook=None) -> None:
-        """The drafter caches the pending context rows without drafting (one-token steps would overflow
-        ctx_feats, or a draft would get more rows than the block_size it takes)."""
-        self.drafter.add_context(self.ctx_feats, self.ctx_len, self.n_ctx)
-        self.ctx_len += self.n_ctx
-        self.n_ctx.zero_()
 
     def _advance(self, n, bonus) -> None:
         """Committed this step: n tokens per row (0 for finished rows, which keep their bonus too)."""
@@ -272,44 +238,24 @@ class Step:
             self.start[b] = len(p)
         self.ctx_len.copy_(self.start)
         self.n_ctx.zero_()
-        self.fill = 0
         self.active.fill_(True)
 
-    def run(self, budget: int, hook=None) -> None:
-        """One step of this budget (0: one token), no host read. First, if the step could overflow the pending
-        context rows (by the host's bound fill), the drafter takes them: a draft reads at most block_size rows."""
-        self.fresh = False
-        if self.drafter is not None and self.fill >= (self.ctx_feats.shape[1] if budget == 0 else
-                                                      self.drafter.block_size + 1):
-            self._run("feed")
-            self.fill = 0
-        self._run(budget, hook)
-
-    def _run(self, key, hook=None) -> None:
-        """The function itself, or the replay of its graph (captured on first use)."""
+    def run(self, spec: bool, hook=None) -> None:
+        """One step, no host read: the function itself, or the replay of its graph (captured on first use)."""
         if self.graphs is None:
-            self.fresh |= self.compiled and key not in self.ran        # a compiled function's first call compiles
-            self.view = self.fns[key](hook)
+            self.view = self.fns[spec](hook)
         else:
-            if key not in self.graphs:
-                self.capture(key)
-                self.fresh = True
-            graph, self.view = self.graphs[key]
+            if spec not in self.graphs:
+                fn, views = self.fns[spec], []
+                graph = capture_graph(lambda: views.append(fn()), warmup=2, reset=self.snapshot())
+                self.graphs[spec] = (graph, views[-1])     # the capture's outputs: each replay rewrites them
+            graph, self.view = self.graphs[spec]
             graph.replay()
-        self.ran.add(key)
 
-    def capture(self, key) -> None:
-        """The CUDA graph of fns[key], captured from the state as it is now (its warm-up calls are undone)."""
-        fn, views = self.fns[key], []
-        graph = capture_graph(lambda: views.append(fn()), warmup=2, reset=self.snapshot())
-        self.graphs[key] = (graph, views[-1])      # the capture's outputs: each replay rewrites them
-
-    def __call__(self, budget: int, hook=None) -> list[list[int]]:
+    def __call__(self, spec: bool, hook=None) -> list[list[int]]:
         """Run one step; returns each row's committed tokens (empty for finished rows)."""
-        self.run(budget, hook)
-        rows = [r[1:1 + r[0]] for r in self.out.tolist()]     # the step's one device-to-host copy
-        self.fill = self.fill + 1 if budget == 0 else max(map(len, rows))   # n_ctx <= fill in every row
-        return rows
+        self.run(spec, hook)
+        return [r[1:1 + r[0]] for r in self.out.tolist()]     # the step's one device-to-host copy
 
     def snapshot(self):
         """A function that puts the step's inputs back as they are now (the capture undoes its warm-up with it)."""
@@ -336,58 +282,8 @@ def capture_graph(fn, warmup: int = 1, reset=None) -> "torch.cuda.CUDAGraph":
     return g
 
 
-class AutoBudget:
-    """--budget auto: before each step, the budget (0: one token) with the most tokens per second expected on this
-    machine: its running mean of tokens committed per step over its running mean of step seconds. Why measure both:
-    a tree pays only while the tokens it adds outweigh its cost beyond one token; the first depends on the text and
-    the temperature (at temperature 1 the drafter is right less often), the second on the machine.
-    Every budget runs once first (timed from its second run when the first compiled or captured a graph). Then
-    another budget is probed once what the probe loses against the best is a small share of the time since it last
-    ran: PROBE_SHARE, or HOPE_SHARE for a budget whose long-run record would beat the best now (a hard stretch of
-    text, which may end soon). The running means weigh each run by KEEP ** (steps since): a budget that just came
-    back is judged on its few new runs, one that keeps running on about its last 20."""
-    KEEP = 0.95           # the weight of a run in the running means, per step since it ran
-    PROBE_SHARE = 0.01    # the probes together cost at most this share of the decoding time ...
-    HOPE_SHARE = 0.1      # ... or this share for budgets whose record beats the best
-    RECORD = 0.99         # the weight of a run in the record (tokens per step), per later run of its budget
-
-    def __init__(self, budgets: tuple[int, ...]):
-        # budget -> (mean, weight) of: tokens per row and step, step seconds, and the long-run tokens per step
-        self.tokens, self.seconds, self.record = {}, {}, {}
-        self.last = dict.fromkeys(budgets, (0, 0.0))          # budget -> (step, clock) when it last ran
-        self.steps, self.clock = 0, 0.0             # steps so far; seconds of timed steps so far
-
-    def pick(self, fits: list[int]) -> int:
-        """The next step's budget, among those that fit in the cache."""
-        new = [b for b in fits if b not in self.seconds]
-        if new:
-            return new[0]
-        rate = {b: self.tokens[b][0] / self.seconds[b][0] for b in fits}             # tokens per second
-        best = max(fits, key=rate.get)
-
-        def due(b) -> bool:    # a probe of b loses the time b takes beyond what best would take for b's tokens
-            hope = self.record[b][0] / self.seconds[b][0] > rate[best]
-            share = (self.HOPE_SHARE if hope else self.PROBE_SHARE) / (len(fits) - 1)
-            return self.seconds[b][0] - self.tokens[b][0] / rate[best] <= share * (self.clock - self.last[b][1])
-        probes = [b for b in fits if b != best and due(b)]
-        return min(probes, key=self.last.get) if probes else best
-
-    def observe(self, budget: int, tokens: float, seconds: float, timed: bool = True) -> None:
-        """A step ran: tokens committed per decoding row and, unless it compiled or captured, its seconds."""
-        self.steps += 1
-        fade = self.KEEP ** (self.steps - self.last[budget][0])       # what the earlier runs' weight has become
-        for means, x, keep in ((self.tokens, tokens, fade), (self.seconds, seconds if timed else None, fade),
-                               (self.record, tokens, self.RECORD)):
-            if x is not None:
-                mean, weight = means.get(budget, (0.0, 0.0))
-                weight = keep * weight + 1
-                means[budget] = (mean + (x - mean) / weight, weight)
-        self.clock += seconds if timed else 0.0
-        self.last[budget] = (self.steps, self.clock)
-
-
 @torch.no_grad()
-def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, drafter=None, budget: int | str = 8,
+def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, drafter=None, budget: int = 8,
              chain: bool = False, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_ids=(), seed: int = 0, max_seq_len: int | None = None, on_tokens=None,
              on_step=None, stats: Stats | None = None, mode: str = "eager", debug: bool = False) -> list[int]:
@@ -400,13 +296,12 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
 
 @torch.no_grad()
 def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_tokens: int, drafter=None,
-                   budget: int | str = 8, chain: bool = False, temperature: float = 0.0, top_k: int = 0,
+                   budget: int = 8, chain: bool = False, temperature: float = 0.0, top_k: int = 0,
                    top_p: float = 1.0, stop_ids=(), seed: int = 0, max_seq_len: int | None = None,
                    mode: str = "eager", stats: Stats | None = None, on_tokens=None, on_step=None,
                    debug: bool = False) -> list[list[int]]:
     """Decode several prompts at once, each in its own cache row, until each stops (stop token, length, cache end).
-    drafter=None or budget=0: autoregressive; chain=True: the DFlash chain (the drafter's top-1 at each position);
-    budget="auto": before each step AutoBudget picks one of AUTO_BUDGETS (its measurements live with the Step).
+    drafter=None or budget=0: autoregressive; chain=True: the DFlash chain (the drafter's top-1 at each position).
     on_tokens(b, tokens): row b's committed tokens, each step (streaming). on_step(b, view, tokens): after each
     speculative step, for each row still decoding, the step's View and the tokens row b committed.
     mode: "eager" (the step as it is, timed stage by stage), "static" (the same, timed as a whole), "compile",
@@ -416,26 +311,13 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
     max_seq_len = max_seq_len or model.max_seq_len or max(map(len, prompts)) + max_new_tokens + 80
     for i, p in enumerate(prompts):
         check_prompt(p, model.args.vocab_size, max_seq_len, f"prompt {i}: " if B > 1 else "")
-    auto = budget == "auto"
-    if auto and chain:
-        raise ValueError("--budget auto chooses among tree budgets: not with --chain")
-    drafter = drafter if auto or budget > 0 or chain else None
-    budgets = (0,) if drafter is None else AUTO_BUDGETS if auto else (0, drafter.block_size - 1 if chain else budget)
-    step = Step.get(model, drafter, B, max_seq_len, budgets, chain, (temperature, top_k, top_p), mode, debug)
-    if auto and drafter is not None and step.control is None:
-        step.control = AutoBudget(budgets)
-    control = step.control if auto else None
+    drafter = drafter if budget > 0 or chain else None
+    step = Step.get(model, drafter, B, max_seq_len, budget, chain, (temperature, top_k, top_p), mode, debug)
     stop, clock = set(int(s) for s in stop_ids), _Clock(dev, stats)
     torch.manual_seed(seed)              # every sample draws from the default generator (a CUDA graph replays it)
     # 0. prefill: each prompt's KV, its first token, its context rows for the drafter
     step.prefill(prompts, debug)
     stats.prefill_s = clock.lap()
-    if control and step.graphs is not None:      # auto: every graph it may replay, captured before the clock starts
-        room = max_seq_len - max(map(len, prompts))
-        for k in step.fns:
-            if k not in step.graphs and (k == "feed" or Step.width(drafter, k, chain) <= room):
-                step.capture(k)
-        clock.lap()
     t_decode, hook = clock.t, clock.stage if mode == "eager" else None   # per-stage times: syncs between stages
     outs, done, start = [[] for _ in prompts], [False] * B, [len(p) for p in prompts]
 
@@ -456,56 +338,35 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
 
     for b, t in enumerate(step.bonus.tolist()):
         emit(b, [t])
+    spec = drafter is not None
     while not all(done):
-        # the next step must fit in the cache: the budgets whose tree fits every row (0: one token), else a row stops
+        # the next step must fit in the cache: a tree of N nodes, else (from then on) one token, else the row stops
+        spec = spec and all(done[b] or start[b] + step.N <= max_seq_len for b in range(B))
         for b in range(B):
-            if not done[b] and start[b] >= max_seq_len:
+            if not done[b] and start[b] + (step.N if spec else 1) > max_seq_len:
                 finish(b, f"cache full (--max-seq-len {max_seq_len})")
         if all(done):
             break
-        room = max_seq_len - max(start[b] for b in range(B) if not done[b])
-        fits = [k for k in budgets if Step.width(drafter, k, chain) <= room]
-        size = control.pick(fits) if control else max(fits)      # fixed: its budget while it fits, then one token
-        if control and M.world_size > 1:
-            size = rank0_choice(size)
         # 1-5. one step for every row: draft, build tree, verify, accept, commit (or one autoregressive token)
         clock.laps = {}
-        rows = step(size, hook)
+        rows = step(spec, hook)
         if hook is None:
             clock.stage("verify")        # compiled, captured or static: the whole step's time
         stats.step_s.append(clock.laps)
-        stats.budgets[size] += 1
         if debug:
             check_ranks_agree(rows)
-        if control is not None:          # the lap already taken: tokens per decoding row, the step's seconds
-            live = [len(new) for b, new in enumerate(rows) if not done[b]]
-            control.observe(size, sum(live) / len(live), sum(clock.laps.values()), timed=not step.fresh)
         # 6. stream each row's committed tokens; a row stops on a stop token or the length limit
         for b, new in enumerate(rows):
             if not done[b]:
                 start[b] += len(new)
                 stats.accept_lens.append(len(new))
-                if on_step and size:
+                if on_step and spec:
                     on_step(b, step.view, new)
                 emit(b, new)
     stats.new_tokens = sum(map(len, outs))
     clock.lap()
     stats.decode_s = clock.t - t_decode
     return outs
-
-
-_HOST_GROUP = None      # a gloo group for host-side agreements under TP, made on first use
-
-
-def rank0_choice(budget: int) -> int:
-    """Under TP every rank runs rank 0's --budget auto choice (each rank times its own steps, so theirs may differ):
-    a broadcast over a gloo group, in host memory, which never waits for the device."""
-    global _HOST_GROUP
-    if _HOST_GROUP is None:
-        _HOST_GROUP = torch.distributed.new_group(backend="gloo")
-    box = torch.tensor([budget])
-    torch.distributed.broadcast(box, src=0, group=_HOST_GROUP)
-    return int(box)
 
 
 def check_ranks_agree(tokens: list) -> None:
@@ -530,8 +391,7 @@ def check_args(a: argparse.Namespace) -> None:
         a.draft = a.ckpt + "-dflash" if a.draft is None else a.draft
         if a.tokenizer is None and a.prompt_ids is None:
             raise ValueError(f"--ckpt {a.ckpt} has no tokenizer: give the prompt as --prompt-ids (or pass --tokenizer)")
-    for flag, ok, want, got in [("--budget", a.budget == "auto" or 0 <= a.budget <= MAX_BUDGET,
-                                 f"in [0, {MAX_BUDGET}] or auto", a.budget),
+    for flag, ok, want, got in [("--budget", 0 <= a.budget <= MAX_BUDGET, f"in [0, {MAX_BUDGET}]", a.budget),
                                 ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1", a.max_new_tokens),
                                 ("--max-seq-len", a.max_seq_len >= 2, ">= 2", a.max_seq_len),
                                 ("--temperature", a.temperature >= 0, ">= 0", a.temperature),
@@ -561,13 +421,8 @@ def check_args(a: argparse.Namespace) -> None:
             a.prompt_texts = [line.rstrip("\n") for line in f if line.strip()]
         if not a.prompt_texts:
             raise ValueError(f"--prompts {a.prompts}: no prompts (one per line)")
-    if a.budget == "auto" and a.chain:
-        raise ValueError("--chain with --budget auto: auto chooses among tree budgets; drop one of the two")
-    if a.budget == "auto" and a.trace:
-        raise ValueError("--trace with --budget auto: the page draws tree steps, and auto also runs one-token "
-                         "steps; give a fixed --budget")
     for flag, on in (("--chain", a.chain), ("--show-tree", a.show_tree), ("--trace", a.trace)):
-        if on and not (a.draft and a.budget != 0):     # nothing would be drafted: decoding is autoregressive
+        if on and not (a.draft and a.budget > 0):     # nothing would be drafted: decoding is autoregressive
             raise ValueError(f"{flag} needs a drafter (--draft) and --budget >= 1, got "
                              + ("--budget 0" if a.draft else "no --draft"))
     if a.cuda_graph and (a.device == "cpu" or not torch.cuda.is_available()):
@@ -626,7 +481,7 @@ def _main(a: argparse.Namespace) -> int:
         a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if a.no_triton:
         kernels.ENABLED = False
-    dargs = D.DraftArgs.from_config(a.draft) if a.draft and a.budget != 0 else None
+    dargs = D.DraftArgs.from_config(a.draft) if a.draft and a.budget > 0 else None
     if dargs is not None:
         D.check_tp_divisibility(dargs, M.world_size)           # before the target loads, not after
     check_cache_memory(a, M.ModelArgs.from_config(a.ckpt), dargs, device, dtype, len(a.prompt_texts or [0]))
@@ -671,9 +526,8 @@ def _main(a: argparse.Namespace) -> int:
                  f"tok/s, prefill {stats.prefill_s * 1000:.0f} ms{stop}]")
         if drafter is not None:
             st = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in stats.stage_s.items())
-            mix = f"; budgets (auto) {stats.budget_mix()}" if a.budget == "auto" else ""
             M.print0(f"[mean accept length {stats.mean_accept:.2f} over {len(stats.accept_lens)} steps; "
-                     f"histogram {stats.histogram()}; {st}{mix}]")
+                     f"histogram {stats.histogram()}; {st}]")
         return ids
 
     if a.prompt_texts:
@@ -753,16 +607,6 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         return action.help + (" (default: %(default)s)" if shown and "%(default)" not in action.help else "")
 
 
-def budget_arg(v: str) -> int | str:
-    """--budget: a node count, or auto."""
-    if v == "auto":
-        return v
-    try:
-        return int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a node count or auto, got {v!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=_Help, epilog="""which prompt:
   --prompt, --prompt-ids or --prompts: generate once and exit. With none of them, a terminal on stdin starts a
@@ -783,8 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="K2.6 thinking mode on or off (default: the chat template's own choice)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="stop after this many generated tokens")
     p.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (prompt + generated)")
-    p.add_argument("--budget", type=budget_arg, default=8, help="DDTree node budget (0: autoregressive; auto: before "
-                   f"each step the fastest of {', '.join(map(str, AUTO_BUDGETS))}, as measured while decoding)")
+    p.add_argument("--budget", type=int, default=8, help="DDTree node budget (0: autoregressive)")
     p.add_argument("--chain", action="store_true", help="DFlash chain instead of a tree")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")

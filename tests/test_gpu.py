@@ -122,27 +122,3 @@ def test_trace_reads_graph_steps_as_eager(tmp_path):
         records[mode] = [(s.tokens, s.parents, s.targets, s.path, s.new) for s in trace.runs[0][0].steps]
     assert len(records["eager"]) >= 5 and records["graph"] == records["eager"]
 
-
-def test_auto_graph_equals_eager_and_autoregressive(tmp_path, monkeypatch):
-    """--budget auto with --cuda-graph: a graph per budget it runs (and one for the drafter's feed step), replayed
-    in the order a script picks (one-token streaks longer than the context buffer, every budget after every other),
-    commits the eager loop's tokens, which are the autoregressive ones (fp32); so does the real controller."""
-    import itertools
-    target, drafter = _pair(tmp_path, torch.float32)
-    prompt = list(range(3, 40))
-    ar = G.generate(target, prompt, 120, max_seq_len=320)
-    for mode in ("eager", "graph"):
-        G.Step.cache.clear()
-        assert G.generate(target, prompt, 120, drafter=drafter, budget="auto", max_seq_len=320, mode=mode) == ar
-    picks = itertools.cycle([0] * 40 + [4] + [0] * 9 + [16, 8, 0, 16, 0, 0, 4, 8, 8, 0])
-    monkeypatch.setattr(G.AutoBudget, "pick", lambda self, fits: (lambda b: b if b in fits else 0)(next(picks)))
-    runs = {}
-    for mode in ("eager", "graph"):
-        G.Step.cache.clear()
-        st = G.Stats()
-        runs[mode] = G.generate(target, prompt, 120, drafter=drafter, budget="auto", max_seq_len=320, mode=mode,
-                                stats=st)
-        assert set(st.budgets) == {0, 4, 8, 16}
-    assert runs["graph"] == runs["eager"] == ar
-    (step,) = G.Step.cache.values()
-    assert "feed" in step.graphs
