@@ -7,7 +7,8 @@ Covers: the corpus split; the exported tiktoken.model reproduces the `tokenizers
 text; the target's loss falls; export -> load_checkpoint gives the in-memory model's logits (INT4 experts,
 fp32 and bf16 exports); the dense training experts equal model.float_experts; the drafter's batched
 training forward equals draft.py's inference forward at every anchor; a whole `train.main` run writes
-loadable files, a log and a model card; --target-from reuses an exported target (and the log a killed run
+loadable files, a log and a model card; soft labels are the target's next-token
+distributions; --target-from reuses an exported target (and the log a killed run
 leaves) without retraining it; the gpu preset fits TP 1/2/4/8, the kernels' shape rules and 25 MB.
 """
 import json
@@ -128,13 +129,19 @@ def test_dense_experts_equal_reference():
     torch.testing.assert_close(dense, model(tokens).detach(), atol=1e-4, rtol=1e-4)   # after the swap is undone
 
 
-def test_drafter_train_forward_equals_inference(corpus):
+def _random_pair(corpus, layers: int, draft_layers: int):
+    """A randomized tiny target and its drafter (train.py's configs)."""
     torch.manual_seed(0)
-    target, cfg = _target(corpus, layers=4)
+    target, _ = _target(corpus, layers=layers)
     randomize_(target, seed=1)
-    dcfg = TR.drafter_config(dict(P, draft_layers=2), target.args, corpus[3].num_base_tokens)
+    dcfg = TR.drafter_config(dict(P, draft_layers=draft_layers), target.args, corpus[3].num_base_tokens)
     drafter = D.DFlashDrafter(D.DraftArgs.from_config(dcfg))
     randomize_(drafter, seed=2)
+    return target, drafter
+
+
+def test_drafter_train_forward_equals_inference(corpus):
+    target, drafter = _random_pair(corpus, layers=4, draft_layers=2)
     assert drafter.mask_token_id == corpus[3].id_of("[UNK]") and drafter.block_size == 8
     tokens = corpus[5][:2 * 48].view(2, 48)
     anchors = torch.tensor([[1, 9, 20, 40], [3, 4, 17, 33]])      # overlapping blocks must not see each other
@@ -159,12 +166,7 @@ def test_soft_labels_are_the_targets_next_token_distribution(corpus):
     """On soft rows the drafter's loss is the cross-entropy against the target's distribution over each label
     token given every token before it (checked against separate prefix forwards); on hard rows it is the corpus
     tokens'. Sampled rollouts continue the window with tokens the target can produce."""
-    torch.manual_seed(0)
-    target, _ = _target(corpus, layers=2)
-    randomize_(target, seed=1)
-    dcfg = TR.drafter_config(dict(P, draft_layers=1), target.args, corpus[3].num_base_tokens)
-    drafter = D.DFlashDrafter(D.DraftArgs.from_config(dcfg))
-    randomize_(drafter, seed=2)
+    target, drafter = _random_pair(corpus, layers=2, draft_layers=1)
     seqs = TR.rollouts(target, corpus[5], 2, 8, 24, 2, torch.Generator().manual_seed(0), "cpu", temperature=1.0)
     assert seqs.shape == (2, 32) and int(seqs.max()) < target.args.vocab_size
     target.kv_cache = None                      # rollouts set up a cache: full forwards below
