@@ -17,6 +17,7 @@ on fixed-shape buffers with no host sync inside. generate_batch's loop calls it 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -436,12 +437,10 @@ def check_args(a: argparse.Namespace) -> None:
 
 
 def check_cache_memory(a, margs: M.ModelArgs, dargs, device: torch.device, dtype: torch.dtype, batch: int) -> None:
-    """--max-seq-len sizes the KV caches up front: refuse one that cannot fit, before the weights load. The target
-    caches one compressed latent + rope key per layer and slot (MLA), the drafter K and V of this rank's kv heads."""
-    need = margs.num_hidden_layers * (margs.kv_lora_rank + margs.qk_rope_head_dim) * batch * a.max_seq_len
-    if dargs is not None:      # setup_cache adds two blocks of slots past the context
-        need += (dargs.num_hidden_layers * 2 * dargs.num_key_value_heads // M.world_size * dargs.head_dim * batch
-                 * (a.max_seq_len + 2 * dargs.block_size))
+    """--max-seq-len sizes the KV caches up front: refuse one that cannot fit, before the weights load."""
+    import draft as D
+    need = math.prod(M.Transformer.cache_shape(margs, batch, a.max_seq_len)) + (
+        math.prod(D.DFlashDrafter.cache_shape(dargs, batch, a.max_seq_len, M.world_size)) if dargs else 0)
     need *= dtype.itemsize
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]

@@ -421,7 +421,7 @@ def _mla_attention_fits(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale
     B, T, H, R = q_lat.shape
     return (_gpu(q_lat) and T <= MASK_WORD_BITS and _pow2(R, 16) and _pow2(q_pe.shape[-1], 16) and q_lat.stride(-1) == 1
             and q_lat.dtype == q_pe.dtype == cache.dtype and cache.shape[0] >= B and cache.is_contiguous()
-            and isinstance(prefix_len, torch.Tensor) and tree_mask.dtype in (torch.int64, torch.bool)
+            and isinstance(prefix_len, torch.Tensor) and tree_mask.dtype == torch.int64
             and (out is None or out.is_contiguous()))
 
 
@@ -431,10 +431,7 @@ def _mla_attention_fits(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale
 def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=None):
     (B, T, H, R), P = q_lat.shape, q_pe.shape[-1]
     q_pe, prefix_len = q_pe.contiguous(), prefix_len.contiguous()
-    if tree_mask.dtype == torch.int64:
-        bits = tree_mask.contiguous()                                             # [B, T] packed rows
-    else:                                                                         # bit j of row t = tree_mask[b, t, j]
-        bits = (tree_mask.long() << torch.arange(T, device=tree_mask.device)).sum(-1)
+    bits = tree_mask.contiguous()              # [B, T] rows packed by model.tree_mask_bits: bit j of row t = slot j
     if out is None:
         out = torch.empty(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)
     wide = T * H >= ATTN_WIDE["min_rows"]

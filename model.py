@@ -713,10 +713,15 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.kv_cache = None    # [n_layers, Bmax, S, R+P], allocated by setup_cache
 
+    @staticmethod
+    def cache_shape(a: ModelArgs, max_batch_size: int, max_seq_len: int) -> tuple[int, ...]:
+        """One compressed latent + rope key per layer and slot (MLA): [layers, batch, slots, R + P]."""
+        return a.num_hidden_layers, max_batch_size, max_seq_len, a.kv_lora_rank + a.qk_rope_head_dim
+
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
-        a, p = self.args, self.embed_tokens.weight
-        self.kv_cache = torch.zeros(a.num_hidden_layers, max_batch_size, max_seq_len,
-                                    a.kv_lora_rank + a.qk_rope_head_dim, dtype=p.dtype, device=p.device)
+        p = self.embed_tokens.weight
+        self.kv_cache = torch.zeros(self.cache_shape(self.args, max_batch_size, max_seq_len), dtype=p.dtype,
+                                    device=p.device)
 
     @property
     def max_seq_len(self) -> int:

@@ -180,6 +180,7 @@ def fits_cases():
          (r(1, 2, 40), r(24), 1e-6, r(1, 2, 16), r(1, 2, 16), r(2, 9, 40), r(1, 2, dtype=i64))),
         ("mla_tree_attention", attn(64, 32), attn(65, 32)),                                # 65 > one mask word
         ("mla_tree_attention", attn(9, 32), attn(9, 24)),                                  # R not a power of two
+        ("mla_tree_attention", attn(9, 32), attn(9, 32)[:4] + (r(1, 9, 9, dtype=torch.bool), 0.1)),   # unpacked mask
         ("router_topk", (r(2, 16), r(8, 16), r(8), 2, True, 1.0), (r(2, 16), r(8, 16), r(8), 2, True, 1.0, 2, 1)),
         ("int4_experts", moe(32), moe(16)[:-1] + (64,)),                                   # group 64 > I = 32
         ("qkv_norm_rope", qkv(16), qkv(24)),
@@ -568,16 +569,15 @@ def test_mla_tree_attention_kernel(T_, H, prefixes, kind, tiles, dtype, monkeypa
         monkeypatch.setattr(kernels, "ATTN_WIDE", dict(kernels.ATTN_WIDE, min_rows=0, BLOCK_S=16, waves=0.5))
         monkeypatch.setattr(kernels, "ATTN_SPLITS", dict(kernels.ATTN_SPLITS, max_splits=8, min_split_len=32))
     args = make_attn(len(prefixes), T_, H, 32, 16, prefixes, kind, dtype, KERNEL_DEVICE, seed=T_ + H)
+    packed = (*args[:4], M.tree_mask_bits(args[4]), args[5])                  # the kernel takes packed rows
     out = torch.full_like(args[0], float("nan"))
-    assert launch("mla_tree_attention", *args, out=out) is out
+    assert launch("mla_tree_attention", *packed, out=out) is out
     ref = M.mla_tree_attention.ref(*args)
     assert_close(out, ref, TOL[dtype], f"attn T={T_} H={H} {prefixes} {kind} {dtype}")
-    packed = (*args[:4], M.tree_mask_bits(args[4]), args[5])
-    assert torch.equal(launch("mla_tree_attention", *packed), out)
     assert torch.equal(M.mla_tree_attention.ref(*packed), ref)
     strided = args[0].permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)                  # [B, T, H, R] view
     assert (H == 1 or not strided.is_contiguous()) and torch.equal(strided, args[0])
-    assert torch.equal(launch("mla_tree_attention", strided, *args[1:]), out)
+    assert torch.equal(launch("mla_tree_attention", strided, *packed[1:]), out)
 
 
 @needs_kernels
