@@ -279,10 +279,10 @@ class DFlashDrafter(nn.Module):
     target_layer_ids = property(lambda self: list(self.args.target_layer_ids))
 
     @staticmethod
-    def cache_shape(a: DraftArgs, max_batch_size: int, max_ctx_len: int, tp: int) -> tuple[int, ...]:
-        """[layers, K/V, batch, slots, this rank's kv heads, head_dim]: slots for the context, then two blocks."""
+    def cache_shape(a: DraftArgs, max_batch_size: int, max_ctx_len: int, n_kv: int) -> tuple[int, ...]:
+        """[layers, K/V, batch, slots, n_kv (this rank's kv heads), head_dim]: the context's slots, then two blocks."""
         S = max_ctx_len + 2 * a.block_size
-        return a.num_hidden_layers, 2, max_batch_size, S, a.num_key_value_heads // tp, a.head_dim
+        return a.num_hidden_layers, 2, max_batch_size, S, n_kv, a.head_dim
 
     def setup_cache(self, max_batch_size: int, max_ctx_len: int) -> None:
         """Room for max_ctx_len context rows per sequence, plus 2 x block_size slots past them: the block's own K/V
@@ -290,7 +290,7 @@ class DFlashDrafter(nn.Module):
         rows of a fixed-shape step (up to block_size of them, parked past the block so they never collide with it)."""
         a, w = self.args, self.fc.weight
         self.max_ctx_len = max_ctx_len
-        shape = self.cache_shape(a, max_batch_size, max_ctx_len, M.world_size)
+        shape = self.cache_shape(a, max_batch_size, max_ctx_len, self.layers[0].self_attn.n_kv)
         S = shape[3]
         self.ctx_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)                # [layers, K/V, B, S, KV, hd]
         inv_freq = rope_inv_freq(a)[0].to(w.device)         # [hd/2] fp32 (computed here, so .to(bf16) can't round it)

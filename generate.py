@@ -440,7 +440,8 @@ def check_cache_memory(a, margs: M.ModelArgs, dargs, device: torch.device, dtype
     """--max-seq-len sizes the KV caches up front: refuse one that cannot fit, before the weights load."""
     import draft as D
     need = math.prod(M.Transformer.cache_shape(margs, batch, a.max_seq_len)) + (
-        math.prod(D.DFlashDrafter.cache_shape(dargs, batch, a.max_seq_len, M.world_size)) if dargs else 0)
+        math.prod(D.DFlashDrafter.cache_shape(dargs, batch, a.max_seq_len, dargs.num_key_value_heads // M.world_size))
+        if dargs else 0)
     need *= dtype.itemsize
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
