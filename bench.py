@@ -373,17 +373,10 @@ def bench_e2e(a, device, dtype) -> dict:
                         for p, ids in zip(prompts, prompt_ids)], "runs": runs}
 
 
-def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """logits [..., V] -> the distribution verify.sample draws from: one-hot argmax at temperature 0."""
-    if temperature <= 0:
-        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()                          # [..., V]
-    return V.sampling_probs(logits, temperature, top_k, top_p)
-
-
 @torch.no_grad()
 def oracle_tree(target, ctx: list[int], budget: int, depth: int, temperature: float) -> tuple[list, list, list, list]:
     """The DDTree of a perfect drafter: the `budget` most probable paths of at most `depth` tokens below the root
-    ctx[-1], a path's probability being the product of the target's own sampling probabilities (sampling_probs)
+    ctx[-1], a path's probability being the product of the target's own sampling probabilities (verify.sampling_probs)
     along it. Best-first as tree.build_tree_heap: pop the best candidate, push its next sibling (the parent's next
     most probable token) and its first child; probabilities never grow along a path, so the first `budget` pops
     are the optimal prefix-closed set. Zero-probability tokens are never pushed (temperature 0: the greedy chain).
@@ -395,7 +388,7 @@ def oracle_tree(target, ctx: list[int], budget: int, depth: int, temperature: fl
     def expand(i: int) -> None:   # node i's logits, its next tokens by probability (ties: lower id first)
         x = target(torch.tensor([ctx + path[i]], device=dev), last_only=True)[0, -1]               # [V] fp32
         logits.append(x)
-        ranked.append(sampling_probs(x, temperature).sort(descending=True, stable=True))          # [V] each
+        ranked.append(V.sampling_probs(x, temperature).sort(descending=True, stable=True))          # [V] each
     expand(0)
     heap = [(-ranked[0][0][0].item(), 0, 0, 0)]   # (-path probability, tie-break, parent node, rank of the token)
     while heap and len(token) <= budget:

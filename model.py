@@ -342,14 +342,19 @@ def tree_mask_unpack(bits: torch.Tensor) -> torch.Tensor:
     return (bits[..., None] >> torch.arange(T, device=bits.device)) & 1 == 1
 
 
+def mla_latent(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """What the cache keeps per token: kv [B, T, R+P] (kv_a_proj_with_mqa's output) -> (rms_norm(kv[..., :R],
+    weight), rope(kv[..., R:])) [B, T, R+P], the latent (key and value of every head) and the shared rope key."""
+    R = weight.shape[0]
+    return torch.cat([rms_norm(kv[..., :R], weight, eps), rope(kv[..., R:], cos, sin)], dim=-1)
+
+
 @kernels.fast
 def mla_latent_to_cache(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                         cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """The new tokens' compressed-cache rows, written in place: kv [B, T, R+P] (kv_a_proj_with_mqa's output) ->
-    cache[b, slots[b, t]] = (rms_norm(kv[..., :R], weight), rope(kv[..., R:])). cache [Bmax, S, R+P], slots
-    [B, T] int64, cos / sin [B, T, P]."""
-    R = weight.shape[0]
-    latent = torch.cat([rms_norm(kv[..., :R], weight, eps), rope(kv[..., R:], cos, sin)], dim=-1)   # [B, T, R+P]
+    """The new tokens' mla_latent rows, written in place: cache[b, slots[b, t]] = mla_latent(kv)[b, t]. cache
+    [Bmax, S, R+P], slots [B, T] int64, cos / sin [B, T, P]."""
+    latent = mla_latent(kv, weight, eps, cos, sin)                                   # [B, T, R+P]
     B, T, C = latent.shape
     cache[:B].scatter_(1, slots[:, :, None].expand(B, T, C), latent.to(cache.dtype))
 
@@ -414,8 +419,7 @@ class MLA(SharesRows):
         q_pe = rope(q_pe, cos, sin)
 
         if cache is None:
-            c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-            latent = torch.cat([self.kv_a_layernorm(c_kv), rope(k_pe, cos, sin)], dim=-1)       # [B, T, R+P]
+            latent = mla_latent(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin)  # [B, T, R+P]
             mask = tree_mask if tree_mask is not None else _causal(T, x.device).expand(B, T, T)
             o = self._naive(q_nope, q_pe, latent, mask)
         else:

@@ -19,6 +19,7 @@ Run the tests: python -m pytest -q tests/test_verify.py
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 import kernels
 from tree import Tree
@@ -36,15 +37,17 @@ def verify_inputs(tree: Tree, start_pos: torch.Tensor | int) -> tuple[torch.Tens
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """logits [..., V] -> the distribution sample() draws from: softmax(logits / T) restricted to the top-k / top-p
-    set (temperature > 0)."""
+    set; at temperature 0 the argmax, one-hot."""
+    if temperature <= 0:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()                    # [..., V]
     logits = logits.float() / temperature
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1)[0][..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p           # keep the smallest prefix reaching top_p
+        p = sorted_logits.softmax(-1)
+        drop = p.cumsum(-1) - p >= top_p                           # keep the smallest prefix reaching top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return logits.softmax(dim=-1)                                  # [..., V]
 

@@ -12,6 +12,7 @@ import bench
 import draft as Dr
 import model as M
 import tiny
+import verify as V
 
 torch.set_default_dtype(torch.float32)
 
@@ -306,25 +307,13 @@ def last_logits(model, ids) -> torch.Tensor:
         return model(torch.tensor([ids]))[0, -1]                                              # [V]
 
 
-def test_sampling_probs_is_what_verify_samples():
-    import verify as V
-    logits = torch.randn(12, generator=torch.Generator().manual_seed(0)) * 2                 # [V]
-    assert torch.equal(bench.sampling_probs(logits, 0.0), torch.nn.functional.one_hot(logits.argmax(), 12).float())
-    g = torch.Generator().manual_seed(1)
-    for temp, k, p in ((1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8)):
-        probs = bench.sampling_probs(logits, temp, k, p)
-        draws = V.sample(logits.expand(40000, 12), temp, k, p, generator=g)                   # [40000]
-        freq = torch.bincount(draws, minlength=12).float() / 40000
-        assert (freq - probs).abs().max() < 0.01 and torch.equal(probs > 0, freq > 0)
-
-
 def test_oracle_tree_is_the_best_prefix_closed_set(target):
     """Depth 2, budget 6: the tree's path probabilities are the 6 best of all paths (brute force), in order."""
     ctx = [5, 17, 42, 8]
-    p1 = bench.sampling_probs(last_logits(target, ctx), 1.0)                                  # [V]
+    p1 = V.sampling_probs(last_logits(target, ctx), 1.0)                                  # [V]
     paths = {(a,): p1[a].item() for a in range(len(p1))}
     for a in p1.topk(6).indices.tolist():       # only a top-6 first token can lead a top-6 depth-2 path
-        p2 = bench.sampling_probs(last_logits(target, ctx + [a]), 1.0)
+        p2 = V.sampling_probs(last_logits(target, ctx + [a]), 1.0)
         paths.update({(a, b): paths[(a,)] * p2[b].item() for b in range(len(p2))})
     best = sorted(paths.values(), reverse=True)[:6]
     parent, token, prob, logits = bench.oracle_tree(target, ctx, 6, 2, 1.0)
@@ -350,7 +339,7 @@ def test_bound_budget_one_is_one_plus_max_prob(target):
     """Temperature 1, budget 1: the one node is the argmax, so E[accept] = 1 + max p (exactly, per step); the
     sampled accepts average to their expectations (budget 1 and 4)."""
     ctx = [7, 7, 2, 9]
-    probs = bench.sampling_probs(last_logits(target, ctx), 1.0)                               # [V]
+    probs = V.sampling_probs(last_logits(target, ctx), 1.0)                               # [V]
     parent, token, prob, _ = bench.oracle_tree(target, ctx, 1, 7, 1.0)
     assert parent == [-1, 0] and token[1] == probs.argmax().item() and prob[1] == pytest.approx(probs.max().item())
     for budget in (1, 4):

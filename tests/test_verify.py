@@ -102,3 +102,14 @@ def test_sample_top_k_top_p():
     s = V.sample(logits, 1.0, top_p=float(p[3]) + 1e-3, generator=g)   # keeps the two most likely tokens
     assert set(s.tolist()) == {2, 3}
     assert torch.equal(V.sample(logits[:1], 0.0), torch.tensor([3]))
+
+
+def test_sampling_probs_is_what_verify_samples():
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(0)) * 2                 # [V]
+    assert torch.equal(V.sampling_probs(logits, 0.0), torch.nn.functional.one_hot(logits.argmax(), 12).float())
+    g = torch.Generator().manual_seed(1)
+    for temp, k, p in ((1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8)):
+        probs = V.sampling_probs(logits, temp, k, p)
+        draws = V.sample(logits.expand(40000, 12), temp, k, p, generator=g)                   # [40000]
+        freq = torch.bincount(draws, minlength=12).float() / 40000
+        assert (freq - probs).abs().max() < 0.01 and torch.equal(probs > 0, freq > 0)
