@@ -1010,13 +1010,7 @@ def copy_block_to_hf(block: M.Block, layer) -> None:
 def hf_layer(block: M.Block, hc, layer_id: int, device, dtype):
     """A DeepseekV3DecoderLayer holding `block`'s weights, allocated without initialization (meta, then empty)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            layer = DeepseekV3DecoderLayer(hc, layer_id)
-    finally:
-        torch.set_default_dtype(old)
+    layer = C.build(lambda: DeepseekV3DecoderLayer(hc, layer_id), "meta", dtype)
     layer = layer.to_empty(device=device).eval().requires_grad_(False)
     layer.self_attn.layer_idx = 0         # its cache below holds this one layer
     copy_block_to_hf(block, layer)
@@ -1083,12 +1077,7 @@ def peer_e2e(a, device, dtype) -> dict:
     with open(os.path.join(ckpt, "config.json")) as f:
         cfg = json.load(f)
     hc = hf_config(cfg.get("text_config", cfg), 1, a.peer_experts)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        hf = DeepseekV3ForCausalLM(hc).to(device).eval()
-    finally:
-        torch.set_default_dtype(old)
+    hf = C.build(lambda: DeepseekV3ForCausalLM(hc), "cpu", dtype).to(device).eval()
     for ours_layer, their_layer in zip(target.layers, hf.model.layers):
         copy_block_to_hf(ours_layer, their_layer)
     for dst, src in ((hf.model.embed_tokens, target.embed_tokens), (hf.model.norm, target.norm),

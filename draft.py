@@ -533,14 +533,8 @@ def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
     args = DraftArgs.from_config(path)
     if target_args is not None:
         check_compatible(args, target_args)
-    dtype = dtype or torch.get_default_dtype()
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)       # allocate in the final dtype (no fp32 copy of a 3.5B model)
-    try:
-        with torch.device(device or "cpu"):
-            drafter = DFlashDrafter(args)        # checks the TP divisibility first
-    finally:
-        torch.set_default_dtype(old)
+    # allocated in the final dtype (no fp32 copy of a 3.5B model); the constructor checks the TP divisibility first
+    drafter = C.build(lambda: DFlashDrafter(args), device or "cpu", dtype or torch.get_default_dtype())
     params, loaded = dict(drafter.named_parameters()), set()
     for fname, names in sorted(C.shard_files(path).items()):
         with safe_open(os.path.join(path, fname), framework="pt", device="cpu") as f:

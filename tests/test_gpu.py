@@ -22,14 +22,10 @@ CFG = dict(kv_lora_rank=32, qk_rope_head_dim=16, moe_intermediate_size=64, hidde
 
 def _pair(tmp_path, dtype):
     ref = tiny.write_k26(tmp_path, tiny.text_config(**CFG), seed=3)
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("cuda"):
-            target = M.Transformer(M.ModelArgs.from_config(tmp_path))
-        C.load_checkpoint(target, str(tmp_path))
-        d = D.DFlashDrafter(D.DraftArgs.from_config(D.tiny_draft_config(ref.args, head_dim=32))).cuda()   # its kernels' sizes
-    finally:
-        torch.set_default_dtype(torch.float32)
+    target = C.build(lambda: M.Transformer(M.ModelArgs.from_config(tmp_path)), "cuda", dtype)
+    C.load_checkpoint(target, str(tmp_path))
+    d = C.build(lambda: D.DFlashDrafter(D.DraftArgs.from_config(D.tiny_draft_config(ref.args, head_dim=32))),
+                "cpu", dtype).cuda()   # head_dim 32: its kernels' sizes
     tiny.randomize_(d, seed=5, std=0.3)
     return target.eval(), d.to(dtype)
 

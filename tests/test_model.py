@@ -250,11 +250,7 @@ def test_router_weight_is_fp32_in_a_bf16_model(tmp_path):
     """The router scores are fp32 (as in the reference); its weight is stored in fp32 even in a bf16 model, so
     the bf16 checkpoint tensor is upcast once at load, not on every step (the K2.6 router is 384 x 7168)."""
     tiny.write_k26(tmp_path, seed=5)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        model = M.Transformer(M.ModelArgs.from_config(tmp_path))
-    finally:
-        torch.set_default_dtype(torch.float32)
+    model = C.build(lambda: M.Transformer(M.ModelArgs.from_config(tmp_path)), "cpu", torch.bfloat16)
     C.load_checkpoint(model, str(tmp_path))
     gate = model.layers[1].mlp.gate
     assert gate.weight.dtype == torch.float32 and model.layers[1].self_attn.o_proj.weight.dtype == torch.bfloat16
