@@ -34,6 +34,7 @@ Modes:
 
     python bench.py e2e                                   # bundled tiny model + drafter (CPU ok)
     python bench.py e2e --budgets 4,16 --temperature 0 --max-new-tokens 64 --out runs/e2e.json
+    python bench.py e2e --budgets auto,8 --prompts checkpoints/heldout_files.txt   # --budget auto beside budget 8
     python bench.py e2e --budgets 1,8 --bound             # and the accept a perfect drafter would reach
     python bench.py step                                  # the bundled pair's step: eager vs graph vs compile
     python bench.py layers --scale tiny                   # CPU: every dimension shrunk (a smoke test)
@@ -238,11 +239,11 @@ def encode_prompts(prompts: list[dict], tok_dir: str, vocab: int, chat: bool) ->
         "no tiktoken.model in the checkpoint: UTF-8 bytes mod vocab"
 
 
-def e2e_modes(budgets: list[int], drafter, chain: bool) -> list[tuple[str, int]]:
+def e2e_modes(budgets: list, drafter, chain: bool) -> list[tuple[str, int | str]]:
     modes = [("ar", 0)]
     if drafter is not None:
         modes += [("chain", 0)] if chain else []
-        modes += [("ddtree", b) for b in budgets]
+        modes += [("auto", b) if b == "auto" else ("ddtree", b) for b in budgets]
     return modes
 
 
@@ -289,7 +290,12 @@ def run_mode(target, drafter, prompt_ids, mode: str, budget: int, temperature: f
         outs.append(G.generate(target, ids, a.max_new_tokens, seed=i, stats=st, **kw))
         stats.append(st)
     r = {"mode": mode, "budget": budget if mode == "ddtree" else None, "temperature": temperature}
-    if mode != "ar":
+    if mode == "auto":     # the share of steps auto ran at each budget (0: one token)
+        mix = G.Stats()
+        for s in stats:
+            mix.budgets.update(s.budgets)
+        r["budget_mix"] = mix.budget_mix()
+    elif mode != "ar":
         n_nodes = budget + 1 if mode == "ddtree" else drafter.block_size
         r["verify_tokens"] = n_nodes
         r["mla_path"] = "absorbed, Triton" if n_nodes <= 64 else "absorbed, reference attention (> 64 rows)"
@@ -340,7 +346,7 @@ def bench_e2e(a, device, dtype) -> dict:
     drafter = C.load_drafter(draft_dir, target.args, device, dtype) if draft_dir else None
     prompts = load_prompts(a.prompts, a.n_prompts)
     prompt_ids, tok_note = encode_prompts(prompts, a.tokenizer or ckpt, target.args.vocab_size, a.chat)
-    widest = max(a.budgets + [drafter.block_size if drafter else 1])
+    widest = max([G.AUTO_BUDGET if b == "auto" else b for b in a.budgets] + [drafter.block_size if drafter else 1])
     max_seq_len = a.max_seq_len or max(map(len, prompt_ids)) + a.max_new_tokens + widest + 8
     print0(f"\n## e2e: {ckpt}" + (f" + drafter {draft_dir}" if draft_dir else " (no drafter: AR only)")
            + f" on {device}, {str(dtype).replace('torch.', '')}")
@@ -502,6 +508,13 @@ def print_e2e(runs: list[dict]) -> None:
                   "tree ms", "verify ms", "commit ms", "RSS GiB", "CUDA GiB", "lossless", "accept histogram"], rows))
     print0("stage times are per verify step (eager loop, GPU synchronized after every stage); RSS is the process "
            "peak so far; lossless: greedy output == greedy autoregressive output on every prompt")
+    for r in runs:
+        if r["mode"] == "auto":    # its choices, and how it compares with the fastest fixed mode of this run
+            fixed = [x for x in runs if x["temperature"] == r["temperature"] and x["mode"] in ("ar", "ddtree")]
+            best = max(fixed, key=lambda x: x["tokens_per_s"])
+            print0(f"auto at temperature {r['temperature']:g}: steps per budget {r['budget_mix']} (0: one token); "
+                   f"{r['tokens_per_s'] / best['tokens_per_s']:.2f}x the fastest fixed mode "
+                   f"({best['mode']}{' ' + str(best['budget']) if best['budget'] else ''})")
     bad = [r for r in runs if r["lossless"] is False]
     if bad:
         print0("lossless NO: in bf16 a near-tie can flip when the verify width changes kernel paths "
@@ -1551,6 +1564,10 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+def _budgets(s: str) -> list:
+    return [x.strip() if x.strip() == "auto" else int(x) for x in s.split(",") if x.strip()]
+
+
 def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x.strip()]
 
@@ -1572,7 +1589,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     e.add_argument("--prompts", default=PROMPTS_FILE, help="prompt set (JSON: {prompts: [{category, text}]}), or a "
                    "held-out file list (.txt, e.g. checkpoints/heldout_files.txt: windows of those stdlib files)")
     e.add_argument("--n-prompts", type=int, default=0, help="use the first N prompts (0: all)")
-    e.add_argument("--budgets", type=_ints, default=[1, 2, 4, 8, 16, 32, 64], help="DDTree node budgets")
+    e.add_argument("--budgets", type=_budgets, default=[1, 2, 4, 8, 16, 32, 64],
+                   help="DDTree node budgets; auto: generate.py's --budget auto (e.g. auto,8)")
     e.add_argument("--temperature", type=_floats, default=[0.0, 1.0], help="comma-separated, e.g. 0 or 0,1")
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--max-seq-len", type=int, default=0, help="KV cache length (0: longest prompt + new + tree)")
@@ -1618,8 +1636,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--T values must lie in [1, 64] (the tree kernel's mask word), got {a.T}")
     if a.tp < 1:
         p.error(f"--tp must be >= 1, got {a.tp}")
-    if any(b < 1 for b in a.budgets):
-        p.error(f"--budgets must be >= 1, got {a.budgets}")
+    if any(b != "auto" and b < 1 for b in a.budgets):
+        p.error(f"--budgets must be >= 1 or auto, got {a.budgets}")
+    if "auto" in a.budgets and (a.mode != "e2e" or a.batch):
+        p.error("--budgets auto: e2e only (not --batch)")
     return a
 
 

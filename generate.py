@@ -3,6 +3,7 @@ or DDTree speculative decoding.
 
     python generate.py --raw --prompt "def fib(n):"       # the bundled tiny pair continues code (CPU ok)
     python generate.py --raw --prompt "def fib(n):" --budget 16 --show-tree --trace step.html
+    python generate.py --raw --prompt "def fib(n):" --budget auto --temperature 1   # one token or a tree, the faster
     python generate.py                                    # a terminal on stdin: chat through the chat template
     torchrun --nproc-per-node 8 generate.py --ckpt <Kimi-K2.6 dir> --draft <DFlash dir> --prompt "Hi" --cuda-graph
     torchrun --nproc-per-node 8 generate.py --ckpt random:k2.6 --prompt-ids 1,2,3 --cuda-graph   # no download
@@ -13,6 +14,7 @@ at temperature T every committed token is a sample of the target's own distribut
 The step is written once, Step.spec: 1 draft, 2 build tree, 3 verify, 4 accept, 5 commit (Step.ar: one token),
 on fixed-shape buffers with no host sync inside. generate_batch's loop calls it (eager), torch.compile of it
 (--compile) or its CUDA graph (--cuda-graph); generate() is generate_batch for one prompt.
+--budget auto: before each step AutoBudget picks a tree or one token, whichever commits faster.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BUNDLED_TARGET = os.path.join(HERE, "checkpoints", "tiny-k2")
 BUNDLED_DRAFT = os.path.join(HERE, "checkpoints", "tiny-k2-dflash")
 MAX_BUDGET = 1024      # verify width B+1; above 64 rows the tree attention runs its PyTorch reference
+AUTO_BUDGET = 8        # --budget auto: trees of this budget, or one token per step
 # torch.compile of the step rounds every intermediate to the model dtype where eager does: without it inductor keeps
 # fused intermediates in fp32, a slightly different bf16 target from the eager one the drafter was distilled
 # against, and the compiled step accepts fewer draft tokens. fp32 is unaffected.
@@ -64,6 +67,7 @@ class Stats:
     accept_lens: list = field(default_factory=list)
     stage_s: dict = field(default_factory=lambda: {"draft": 0.0, "tree": 0.0, "verify": 0.0, "commit": 0.0})
     step_s: list = field(default_factory=list)     # per step: {stage: seconds} (eager: each stage; else the step)
+    budgets: Counter = field(default_factory=Counter)   # steps run at each budget (0: one token)
     stopped: str = ""
 
     @property
@@ -77,6 +81,11 @@ class Stats:
 
     def histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.accept_lens).items()))
+
+    def budget_mix(self) -> str:
+        """The share of steps run at each budget, e.g. "0:70% 8:30%" (--budget auto's choices)."""
+        n = sum(self.budgets.values())
+        return " ".join(f"{b}:{100 * k / n:.0f}%" for b, k in sorted(self.budgets.items()))
 
 
 class _Clock:
@@ -161,9 +170,10 @@ class Step:
         self.n_ctx = z(batch)                      # [B] rows of ctx_feats it adds next: the last committed path
         self.ctx_feats = torch.zeros(batch, bs, len(self.taps) * model.args.hidden_size, dtype=dtype,
                                      device=dev)   # [B, bs, taps*D] the target's hidden states on that path
+        self.recent = z(batch, bs)                 # [B, bs] the last bs committed tokens (catch_up's window)
         self.active = torch.ones(batch, dtype=torch.bool, device=dev)   # [B] False: finished, commits nothing
         self.out = z(batch, self.N + 1)            # [B, N+1] accept_len, then the committed tokens: one host copy
-        self.fns = {True: self.spec, False: self.ar}
+        self.fns = {True: self.spec, False: self.ar} | ({"catch_up": self.catch_up} if drafter and not chain else {})
         if compile:
             # One specialization per shape (budget, batch, sampling), never a dynamic-shape graph: the shapes are
             # fixed by design, and a symbolic recompile for a second budget fails gather(out=)'s overlap check.
@@ -172,6 +182,7 @@ class Step:
             self.fns = {k: torch.compile(f, dynamic=False, options=compile_options()) for k, f in self.fns.items()}
         self.graphs = {} if graph else None        # spec or ar -> (CUDA graph, the View its replays rewrite)
         self.view: View | None = None
+        self.control: AutoBudget | None = None     # --budget auto's state, kept across calls with this step
 
     @staticmethod
     def width(drafter, budget: int, chain: bool) -> int:
@@ -221,6 +232,30 @@ class Step:
         if hook:
             hook("verify")
 
+    def catch_up(self, hook=None) -> None:
+        """Before a tree that follows one-token steps (they leave the drafter alone): the drafter gets the last n_ctx
+        (<= block_size) tokens it missed. One target forward over the last block_size committed tokens (`recent`;
+        both set by catch_up_on) at their own positions gives their hidden states, and rewrites their KV with the
+        values it holds; the missed tokens' rows go to the front of ctx_feats. Tokens missed before those (beyond
+        a block, and a tree's path that a stretch shorter than a block followed) stay out of the drafter's
+        context: its rows run on from the older ones."""
+        bs = self.drafter.block_size
+        p0 = (self.start - bs).clamp(min=0)                     # [B] the window's first position (short rows: 0)
+        _, hidden = self.model(self.recent, start_pos=p0, hidden_layers=self.taps, last_only=True,
+                               debug=self.debug)                                                  # [B, bs, taps*D]
+        self.n_ctx.mul_(self.active)                            # finished rows take nothing
+        rows = (self.start - p0 - self.n_ctx)[:, None] + torch.arange(bs, device=p0.device)      # [B, bs]
+        torch.gather(hidden, 1, rows.clamp(max=bs - 1)[:, :, None].expand_as(hidden), out=self.ctx_feats)
+
+    def catch_up_on(self, seqs: list[list[int]], missed: int) -> None:
+        """catch_up with its inputs: each row's last block_size committed tokens (seqs[b], prompt and output, ends
+        with the bonus, not in the cache yet), the last `missed` of which (one per one-token step) the drafter
+        takes."""
+        bs = self.drafter.block_size
+        self.recent.copy_(torch.tensor([(s[max(len(s) - 1 - bs, 0):-1] + [0] * bs)[:bs] for s in seqs]))
+        self.n_ctx.fill_(min(missed, bs))
+        self.run("catch_up")
+
     def _advance(self, n, bonus) -> None:
         """Committed this step: n tokens per row (0 for finished rows, which keep their bonus too)."""
         self.out[:, 0] = n
@@ -240,17 +275,20 @@ class Step:
         self.ctx_len.copy_(self.start)
         self.n_ctx.zero_()
         self.active.fill_(True)
+        if self.control:
+            self.control.gap = 0         # the drafter has every prompt token: nothing to catch up on
 
-    def run(self, spec: bool, hook=None) -> None:
-        """One step, no host read: the function itself, or the replay of its graph (captured on first use)."""
+    def run(self, key, hook=None) -> None:
+        """One step (key True: spec, False: ar, or "catch_up"), no host read: the function itself, or the replay of
+        its graph (captured on first use)."""
         if self.graphs is None:
-            self.view = self.fns[spec](hook)
+            self.view = self.fns[key](hook)
         else:
-            if spec not in self.graphs:
-                fn, views = self.fns[spec], []
+            if key not in self.graphs:
+                fn, views = self.fns[key], []
                 graph = capture_graph(lambda: views.append(fn()), warmup=2, reset=self.snapshot())
-                self.graphs[spec] = (graph, views[-1])     # the capture's outputs: each replay rewrites them
-            graph, self.view = self.graphs[spec]
+                self.graphs[key] = (graph, views[-1])      # the capture's outputs: each replay rewrites them
+            graph, self.view = self.graphs[key]
             graph.replay()
 
     def __call__(self, spec: bool, hook=None) -> list[list[int]]:
@@ -260,9 +298,39 @@ class Step:
 
     def snapshot(self):
         """A function that puts the step's inputs back as they are now (the capture undoes its warm-up with it)."""
-        state = (self.bonus, self.start, self.ctx_len, self.n_ctx, self.ctx_feats, self.active)
+        state = (self.bonus, self.start, self.ctx_len, self.n_ctx, self.ctx_feats, self.recent, self.active)
         saved = [t.clone() for t in state]
         return lambda: [t.copy_(v) for t, v in zip(state, saved)]
+
+    def rehearse(self, key) -> float:
+        """Run fns[key] once and undo it (its KV writes land past the committed tokens: catch_up's window is moved
+        there); its first run compiles or captures it. Returns its seconds."""
+        reset = self.snapshot()
+        if key == "catch_up":
+            self.start += self.drafter.block_size
+        t = time.perf_counter()
+        self.run(key)
+        if self.start.is_cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter() - t
+        reset()
+        return t
+
+    def auto(self, room: int) -> AutoBudget:
+        """--budget auto's controller, made on first use, after a prefill (the state rehearse runs from) and before
+        the decoding clock starts: every step function compiled or captured, then a tree step's time over a
+        one-token step's, the median of 7 pairs (a burst of load on the machine slows both of a pair). Under TP
+        every rank takes rank 0's ratio, so all make the same choices. room: free cache slots past the longest row;
+        without room for a tree and a catch_up there is no controller (None: trees while they fit)."""
+        if self.control is None and room > self.N + self.drafter.block_size:
+            with torch.random.fork_rng([self.start.device] if self.start.is_cuda else []):  # seeds repeat
+                for key in self.fns:
+                    self.rehearse(key)
+                ratio = [sorted(self.rehearse(True) / self.rehearse(False) for _ in range(7))[3]]  # tree / one token
+            if M.world_size > 1:
+                torch.distributed.broadcast_object_list(ratio, src=0)
+            self.control = AutoBudget(ratio[0], self.drafter.block_size)
+        return self.control
 
 
 def capture_graph(fn, warmup: int = 1, reset=None) -> "torch.cuda.CUDAGraph":
@@ -283,8 +351,53 @@ def capture_graph(fn, warmup: int = 1, reset=None) -> "torch.cuda.CUDAGraph":
     return g
 
 
+class AutoBudget:
+    """--budget auto: a tree step while trees commit tokens faster than one-token steps, i.e. while the running mean
+    of the tokens a tree step commits exceeds `ratio`, a tree step's time over a one-token step's (Step.auto times
+    both once). Why both: a tree pays only while the tokens it adds outweigh its cost beyond one token; the first
+    depends on the text and the temperature, the second on the machine.
+    When trees stop paying (judged after MIN_RUN tree steps), `wait` one-token steps follow: plain decoding, the
+    drafter idle. Then a probe: Step.catch_up gives the drafter the tokens it missed, and trees run again. Every
+    step fades the mean's past by KEEP, so after a long stretch the probe counts most. Each time trees stop paying
+    the wait doubles (up to MAX_WAIT); it resets once a run of trees has paid for a block of steps after its probe
+    (one lucky probe does not). A stretch lasts a block at least (min_wait): each catch_up costs a target forward."""
+    KEEP = 0.97           # the running mean's weight on its past, per step (its memory: ~30 steps)
+    MIN_RUN = 3           # tree steps in a run before the controller may leave trees
+    MAX_WAIT = 256        # one-token steps between two probes, at most
+
+    def __init__(self, ratio: float, block_size: int):
+        self.ratio, self.min_wait = ratio, block_size
+        self.wait = block_size             # the next stretch of one-token steps
+        self.left = 0                      # one-token steps left in this stretch
+        self.gap = 0                       # one-token steps since the last tree (or prefill)
+        self.run, self.run_tokens = 0, 0.0    # tree steps in this run; tokens they committed after the first
+        self.accept, self.weight = 0.0, 0.0   # running mean of tokens per tree step (per decoding row), its weight
+
+    def tree(self) -> bool:
+        """The next step: a tree (True) or one token."""
+        if self.left > 0 or 0 < self.gap < self.min_wait:
+            self.left -= 1
+            return False
+        return True
+
+    def observe(self, tree: bool, tokens: float) -> None:
+        """A step ran and committed `tokens` per decoding row."""
+        self.weight *= self.KEEP
+        if not tree:
+            self.gap += 1
+            return
+        self.run_tokens += tokens if self.run else 0.0
+        self.gap, self.run, self.weight = 0, self.run + 1, self.weight + 1
+        self.accept += (tokens - self.accept) / self.weight
+        if self.run > self.min_wait and self.run_tokens > self.ratio * (self.run - 1):
+            self.wait = self.min_wait      # trees have paid for a block of steps: the text is easy again
+        if self.run >= self.MIN_RUN and self.accept <= self.ratio:
+            self.left, self.wait = self.wait, min(2 * self.wait, self.MAX_WAIT)
+            self.run, self.run_tokens = 0, 0.0
+
+
 @torch.no_grad()
-def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, drafter=None, budget: int = 8,
+def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, drafter=None, budget: int | str = 8,
              chain: bool = False, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_ids=(), seed: int = 0, max_seq_len: int | None = None, on_tokens=None,
              on_step=None, stats: Stats | None = None, mode: str = "eager", debug: bool = False) -> list[int]:
@@ -297,12 +410,13 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
 
 @torch.no_grad()
 def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_tokens: int, drafter=None,
-                   budget: int = 8, chain: bool = False, temperature: float = 0.0, top_k: int = 0,
+                   budget: int | str = 8, chain: bool = False, temperature: float = 0.0, top_k: int = 0,
                    top_p: float = 1.0, stop_ids=(), seed: int = 0, max_seq_len: int | None = None,
                    mode: str = "eager", stats: Stats | None = None, on_tokens=None, on_step=None,
                    debug: bool = False) -> list[list[int]]:
     """Decode several prompts at once, each in its own cache row, until each stops (stop token, length, cache end).
-    drafter=None or budget=0: autoregressive; chain=True: the DFlash chain (the drafter's top-1 at each position).
+    drafter=None or budget=0: autoregressive; chain=True: the DFlash chain (the drafter's top-1 at each position);
+    budget="auto": before each step AutoBudget picks a tree of AUTO_BUDGET or one token.
     on_tokens(b, tokens): row b's committed tokens, each step (streaming). on_step(b, view, tokens): after each
     speculative step, for each row still decoding, the step's View and the tokens row b committed.
     mode: "eager" (the step as it is, timed stage by stage), "static" (the same, timed as a whole), "compile",
@@ -312,12 +426,17 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
     max_seq_len = max_seq_len or model.max_seq_len or max(map(len, prompts)) + max_new_tokens + 80
     for i, p in enumerate(prompts):
         check_prompt(p, model.args.vocab_size, max_seq_len, f"prompt {i}: " if B > 1 else "")
+    auto = budget == "auto"
+    if auto and chain:
+        raise ValueError("--budget auto chooses between a tree and one token: not with --chain")
+    budget = AUTO_BUDGET if auto else budget
     drafter = drafter if budget > 0 or chain else None
     step = Step.get(model, drafter, B, max_seq_len, budget, chain, (temperature, top_k, top_p), mode, debug)
     stop, clock = set(int(s) for s in stop_ids), _Clock(dev, stats)
     torch.manual_seed(seed)              # every sample draws from the default generator (a CUDA graph replays it)
     # 0. prefill: each prompt's KV, its first token, its context rows for the drafter
     step.prefill(prompts, debug)
+    control = step.auto(max_seq_len - max(map(len, prompts))) if auto and drafter is not None else None
     stats.prefill_s = clock.lap()
     t_decode, hook = clock.t, clock.stage if mode == "eager" else None   # per-stage times: syncs between stages
     outs, done, start = [[] for _ in prompts], [False] * B, [len(p) for p in prompts]
@@ -339,23 +458,30 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
 
     for b, t in enumerate(step.bonus.tolist()):
         emit(b, [t])
-    spec = drafter is not None
+    fits = drafter is not None
     while not all(done):
         # the next step must fit in the cache: a tree of N nodes, else (from then on) one token, else the row stops
-        spec = spec and all(done[b] or start[b] + step.N <= max_seq_len for b in range(B))
+        fits = fits and all(done[b] or start[b] + step.N <= max_seq_len for b in range(B))
         for b in range(B):
-            if not done[b] and start[b] + (step.N if spec else 1) > max_seq_len:
+            if not done[b] and start[b] + (step.N if fits else 1) > max_seq_len:
                 finish(b, f"cache full (--max-seq-len {max_seq_len})")
         if all(done):
             break
-        # 1-5. one step for every row: draft, build tree, verify, accept, commit (or one autoregressive token)
+        spec = fits and (control is None or control.tree())
         clock.laps = {}
+        if spec and control and control.gap:     # after one-token steps the drafter catches up on what it missed
+            step.catch_up_on([p + o for p, o in zip(prompts, outs)], control.gap)
+        # 1-5. one step for every row: draft, build tree, verify, accept, commit (or one autoregressive token)
         rows = step(spec, hook)
         if hook is None:
             clock.stage("verify")        # compiled, captured or static: the whole step's time
         stats.step_s.append(clock.laps)
+        stats.budgets[budget if spec else 0] += 1
         if debug:
             check_ranks_agree(rows)
+        if control:
+            live = [len(new) for b, new in enumerate(rows) if not done[b]]
+            control.observe(spec, sum(live) / len(live))
         # 6. stream each row's committed tokens; a row stops on a stop token or the length limit
         for b, new in enumerate(rows):
             if not done[b]:
@@ -392,7 +518,8 @@ def check_args(a: argparse.Namespace) -> None:
         a.draft = a.ckpt + "-dflash" if a.draft is None else a.draft
         if a.tokenizer is None and a.prompt_ids is None:
             raise ValueError(f"--ckpt {a.ckpt} has no tokenizer: give the prompt as --prompt-ids (or pass --tokenizer)")
-    for flag, ok, want, got in [("--budget", 0 <= a.budget <= MAX_BUDGET, f"in [0, {MAX_BUDGET}]", a.budget),
+    for flag, ok, want, got in [("--budget", a.budget == "auto" or 0 <= a.budget <= MAX_BUDGET,
+                                 f"in [0, {MAX_BUDGET}] or auto", a.budget),
                                 ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1", a.max_new_tokens),
                                 ("--max-seq-len", a.max_seq_len >= 2, ">= 2", a.max_seq_len),
                                 ("--temperature", a.temperature >= 0, ">= 0", a.temperature),
@@ -422,8 +549,12 @@ def check_args(a: argparse.Namespace) -> None:
             a.prompt_texts = [line.rstrip("\n") for line in f if line.strip()]
         if not a.prompt_texts:
             raise ValueError(f"--prompts {a.prompts}: no prompts (one per line)")
+    for flag, on in (("--chain", a.chain), ("--trace", a.trace)):
+        if on and a.budget == "auto":
+            raise ValueError(f"{flag} with --budget auto: auto chooses between a tree and one token per step, and "
+                             f"{flag} needs every step drafted; give a fixed --budget")
     for flag, on in (("--chain", a.chain), ("--show-tree", a.show_tree), ("--trace", a.trace)):
-        if on and not (a.draft and a.budget > 0):     # nothing would be drafted: decoding is autoregressive
+        if on and not (a.draft and a.budget != 0):     # nothing would be drafted: decoding is autoregressive
             raise ValueError(f"{flag} needs a drafter (--draft) and --budget >= 1, got "
                              + ("--budget 0" if a.draft else "no --draft"))
     if a.cuda_graph and (a.device == "cpu" or not torch.cuda.is_available()):
@@ -481,7 +612,7 @@ def _main(a: argparse.Namespace) -> int:
         a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if a.no_triton:
         kernels.ENABLED = False
-    dargs = D.DraftArgs.from_config(a.draft) if a.draft and a.budget > 0 else None
+    dargs = D.DraftArgs.from_config(a.draft) if a.draft and a.budget != 0 else None
     if dargs is not None:
         D.check_tp_divisibility(dargs, M.world_size)           # before the target loads, not after
     check_cache_memory(a, M.ModelArgs.from_config(a.ckpt), dargs, device, dtype, len(a.prompt_texts or [0]))
@@ -526,8 +657,9 @@ def _main(a: argparse.Namespace) -> int:
                  f"tok/s, prefill {stats.prefill_s * 1000:.0f} ms{stop}]")
         if drafter is not None:
             st = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in stats.stage_s.items())
+            mix = f"; steps per budget {stats.budget_mix()} (auto)" if a.budget == "auto" else ""
             M.print0(f"[mean accept length {stats.mean_accept:.2f} over {len(stats.accept_lens)} steps; "
-                     f"histogram {stats.histogram()}; {st}]")
+                     f"histogram {stats.histogram()}; {st}{mix}]")
         return ids
 
     if a.prompt_texts:
@@ -607,6 +739,16 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         return action.help + (" (default: %(default)s)" if shown and "%(default)" not in action.help else "")
 
 
+def budget_arg(v: str) -> int | str:
+    """--budget: a node count, or auto."""
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a node count or auto, got {v!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=_Help, epilog="""which prompt:
   --prompt, --prompt-ids or --prompts: generate once and exit. With none of them, a terminal on stdin starts a
@@ -627,7 +769,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="K2.6 thinking mode on or off (default: the chat template's own choice)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="stop after this many generated tokens")
     p.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (prompt + generated)")
-    p.add_argument("--budget", type=int, default=8, help="DDTree node budget (0: autoregressive)")
+    p.add_argument("--budget", type=budget_arg, default=8, help="DDTree node budget (0: autoregressive; auto: "
+                   f"before each step a tree of {AUTO_BUDGET} or one token, whichever commits faster here)")
     p.add_argument("--chain", action="store_true", help="DFlash chain instead of a tree")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")

@@ -179,10 +179,8 @@ def test_sampling_is_seeded(target, real_drafter):
     assert G.generate(target, [1, 2, 3], 20, seed=1, **kw) != out
 
 
-def test_stage_clock_syncs_only_in_eager_mode(target, real_drafter, monkeypatch):
-    """Eager mode times each stage, so the step's hook syncs the device after draft, tree, verify and commit; every
-    other mode passes no hook, and nothing inside the step waits for the device (the loop's one lap per step is
-    after the step's host read, which waits anyway). Counted on a clock that believes it runs on CUDA."""
+def count_syncs(monkeypatch) -> list:
+    """A list that gets an entry per torch.cuda.synchronize, on a stage clock that believes it runs on CUDA."""
     syncs = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
     init = G._Clock.__init__
@@ -191,6 +189,14 @@ def test_stage_clock_syncs_only_in_eager_mode(target, real_drafter, monkeypatch)
         init(self, device, stats)
         self.cuda = True
     monkeypatch.setattr(G._Clock, "__init__", cuda_clock)
+    return syncs
+
+
+def test_stage_clock_syncs_only_in_eager_mode(target, real_drafter, monkeypatch):
+    """Eager mode times each stage, so the step's hook syncs the device after draft, tree, verify and commit; every
+    other mode passes no hook, and nothing inside the step waits for the device (the loop's one lap per step is
+    after the step's host read, which waits anyway). Counted on a clock that believes it runs on CUDA."""
+    syncs = count_syncs(monkeypatch)
     for mode, per_step in (("eager", 4), ("static", 1), ("compile", 1)):
         syncs.clear()
         st = G.Stats()

@@ -118,3 +118,32 @@ def test_trace_reads_graph_steps_as_eager(tmp_path):
         records[mode] = [(s.tokens, s.parents, s.targets, s.path, s.new) for s in trace.runs[0][0].steps]
     assert len(records["eager"]) >= 5 and records["graph"] == records["eager"]
 
+
+def test_auto_graph_equals_eager_and_autoregressive(tmp_path, monkeypatch):
+    """--budget auto with --cuda-graph: the tree, one-token and catch_up graphs (catch_up captured by Step.auto,
+    before the clock), replayed in the order the real controller or a script picks (one-token stretches longer and
+    shorter than a block, each followed by a catch_up, trees right after trees), commit the eager loop's tokens,
+    which are the autoregressive ones (fp32)."""
+    import itertools
+    target, drafter = _pair(tmp_path, torch.float32)
+    prompt = list(range(3, 40))
+    ar = G.generate(target, prompt, 120, max_seq_len=320)
+    for mode in ("eager", "graph"):
+        G.Step.cache.clear()
+        assert G.generate(target, prompt, 120, drafter=drafter, budget="auto", max_seq_len=320, mode=mode) == ar
+        (step,) = G.Step.cache.values()
+        assert step.control is not None
+    assert set(step.graphs) == {True, False, "catch_up"}
+    T, F = True, False
+    runs = {}
+    for mode in ("eager", "graph"):
+        picks = itertools.cycle([F] * 40 + [T, T] + [F] * 4 + [T] + [F] * 9 + [T, F, F, T, T])   # the same in both
+        monkeypatch.setattr(G.AutoBudget, "tree", lambda self: next(picks))
+        G.Step.cache.clear()
+        st = G.Stats()
+        runs[mode] = G.generate(target, prompt, 120, drafter=drafter, budget="auto", max_seq_len=320, mode=mode,
+                                stats=st), st.accept_lens
+        assert set(st.budgets) == {0, G.AUTO_BUDGET}
+    assert runs["graph"] == runs["eager"] and runs["graph"][0] == ar
+    (step,) = G.Step.cache.values()
+    assert set(step.graphs) == {True, False, "catch_up"}

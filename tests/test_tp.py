@@ -51,7 +51,8 @@ def _worker(r, ws, port, ckpt, draft_dir, out_dir, tokens):
 
 def _drafter_run(model, draft_dir, tokens) -> dict:
     """The real DFlash drafter loaded at this rank's TP size: its logits on the target's features, greedy DDTree
-    ids (eager loop and fixed-shape steps), and this rank's parameter bytes (all / replicated ones)."""
+    ids (eager loop and fixed-shape steps; then --budget auto, whose choices every rank must share, else their
+    collectives would not match), and this rank's parameter bytes (all / replicated ones)."""
     import generate as G
     d = Dr.load_drafter(draft_dir, model.args).eval()
     with torch.no_grad():
@@ -60,6 +61,7 @@ def _drafter_run(model, draft_dir, tokens) -> dict:
     logits = d.draft_logits(model, tokens[:, -1], feats, 0)                            # [B, bs-1, V]
     prompt = tokens[0, :5].tolist()
     ids = [G.generate(model, prompt, 12, drafter=d, budget=8, max_seq_len=64, mode=m) for m in ("eager", "static")]
+    ids.append(G.generate(model, prompt, 30, drafter=d, budget="auto", max_seq_len=64))    # one-token stretches too
     nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)
     return {"draft_logits": logits, "draft_ids": ids, "draft_bytes": nbytes(d.parameters()),
             "draft_replicated": nbytes(p for p in d.parameters() if p.shard_dim is None)}
@@ -106,7 +108,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("ws", [2, 4])
 def test_tp_matches_single_rank(ckpt, draft_dir, tokens, ref, tmp_path, ws):
     outs = _run_tp(ws, ckpt, draft_dir, tmp_path, tokens)
-    assert ref["draft_ids"][0] == ref["draft_ids"][1]    # fixed-shape steps == eager loop
+    assert ref["draft_ids"][0] == ref["draft_ids"][1] == ref["draft_ids"][2][:12]   # fixed-shape steps, auto == eager
     for o in outs:
         assert _rel_err(o["logits"], ref["logits"]) <= 1e-5
         assert _rel_err(o["draft_logits"], ref["draft_logits"]) <= 1e-5
