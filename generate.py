@@ -436,8 +436,10 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
     torch.manual_seed(seed)              # every sample draws from the default generator (a CUDA graph replays it)
     # 0. prefill: each prompt's KV, its first token, its context rows for the drafter
     step.prefill(prompts, debug)
-    control = step.auto(max_seq_len - max(map(len, prompts))) if auto and drafter is not None else None
     stats.prefill_s = clock.lap()
+    control = step.auto(max_seq_len - max(map(len, prompts))) if auto and drafter is not None else None
+    if control:
+        clock.lap()                      # untimed: on its first call Step.auto times the steps
     t_decode, hook = clock.t, clock.stage if mode == "eager" else None   # per-stage times: syncs between stages
     outs, done, start = [[] for _ in prompts], [False] * B, [len(p) for p in prompts]
 

@@ -211,7 +211,7 @@ def test_auto_adds_no_host_read(target, drafter, monkeypatch):
         steps = sum(st.budgets.values())
         assert catch_ups and set(st.budgets) == {0, G.AUTO_BUDGET}
         per_step = sum(k * (4 if b else 1) for b, k in st.budgets.items()) if mode == "eager" else steps
-        assert len(syncs) == 2 + per_step, mode                       # + prefill and the final lap
+        assert len(syncs) == 3 + per_step, mode       # + prefill, the lap after Step.auto and the final lap
         assert reads == ["tolist"] * (1 + steps), (mode, reads)
 
 
