@@ -323,10 +323,9 @@ class Step:
         every rank takes rank 0's ratio, so all make the same choices. room: free cache slots past the longest row;
         without room for a tree and a catch_up there is no controller (None: trees while they fit)."""
         if self.control is None and room > self.N + self.drafter.block_size:
-            with torch.random.fork_rng([self.start.device] if self.start.is_cuda else []):  # seeds repeat
-                for key in self.fns:
-                    self.rehearse(key)
-                ratio = [sorted(self.rehearse(True) / self.rehearse(False) for _ in range(7))[3]]  # tree / one token
+            for key in self.fns:
+                self.rehearse(key)
+            ratio = [sorted(self.rehearse(True) / self.rehearse(False) for _ in range(7))[3]]   # tree / one token
             if M.world_size > 1:
                 torch.distributed.broadcast_object_list(ratio, src=0)
             self.control = AutoBudget(ratio[0], self.drafter.block_size)
@@ -416,7 +415,9 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
                    debug: bool = False) -> list[list[int]]:
     """Decode several prompts at once, each in its own cache row, until each stops (stop token, length, cache end).
     drafter=None or budget=0: autoregressive; chain=True: the DFlash chain (the drafter's top-1 at each position);
-    budget="auto": before each step AutoBudget picks a tree of AUTO_BUDGET or one token.
+    budget="auto": before each step AutoBudget picks a tree of AUTO_BUDGET or one token (when sampling, the tokens
+    follow the target's distribution but do not repeat for a seed: the choices, which draw differently, follow
+    measured times).
     on_tokens(b, tokens): row b's committed tokens, each step (streaming). on_step(b, view, tokens): after each
     speculative step, for each row still decoding, the step's View and the tokens row b committed.
     mode: "eager" (the step as it is, timed stage by stage), "static" (the same, timed as a whole), "compile",
