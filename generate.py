@@ -236,9 +236,8 @@ class Step:
         """Before a tree that follows one-token steps (they leave the drafter alone): the drafter gets the last n_ctx
         (<= block_size) tokens it missed. One target forward over the last block_size committed tokens (`recent`;
         both set by catch_up_on) at their own positions gives their hidden states, and rewrites their KV with the
-        values it holds; the missed tokens' rows go to the front of ctx_feats. Tokens missed before those (beyond
-        a block, and a tree's path that a stretch shorter than a block followed) stay out of the drafter's
-        context: its rows run on from the older ones."""
+        values it holds; the missed tokens' rows go to the front of ctx_feats. Anything missed before those stays
+        out of the drafter's context: its rows run on from the older ones."""
         bs = self.drafter.block_size
         p0 = (self.start - bs).clamp(min=0)                     # [B] the window's first position (short rows: 0)
         _, hidden = self.model(self.recent, start_pos=p0, hidden_layers=self.taps, last_only=True,
@@ -375,7 +374,7 @@ class AutoBudget:
     def tree(self) -> bool:
         """The next step: a tree (True) or one token."""
         if self.left > 0 or 0 < self.gap < self.min_wait:
-            self.left -= 1
+            self.left = max(self.left - 1, 0)
             return False
         return True
 
@@ -479,7 +478,7 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
         if hook is None:
             clock.stage("verify")        # compiled, captured or static: the whole step's time
         stats.step_s.append(clock.laps)
-        stats.budgets[budget if spec else 0] += 1
+        stats.budgets[step.N - 1 if spec else 0] += 1   # a tree's budget (a chain: its drafted tokens)
         if debug:
             check_ranks_agree(rows)
         if control:
