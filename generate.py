@@ -4,9 +4,7 @@ or DDTree speculative decoding.
     python generate.py --raw --prompt "def fib(n):"       # the bundled tiny pair continues code (CPU ok)
     python generate.py --raw --prompt "def fib(n):" --budget 16 --show-tree --trace step.html
     python generate.py --raw --prompt "def fib(n):" --budget auto --temperature 1   # one token or a tree, the faster
-    python generate.py                                    # a terminal on stdin: chat through the chat template
     torchrun --nproc-per-node 8 generate.py --ckpt <Kimi-K2.6 dir> --draft <DFlash dir> --prompt "Hi" --cuda-graph
-    torchrun --nproc-per-node 8 generate.py --ckpt random:k2.6 --prompt-ids 1,2,3 --cuda-graph   # no download
 
 Invariant: greedy DDTree output == greedy autoregressive output, token for token (tests/test_generate.py);
 at temperature T every committed token is a sample of the target's own distribution.
@@ -15,11 +13,10 @@ The step is written once, Step.spec: 1 draft, 2 build tree, 3 verify, 4 accept, 
 on fixed-shape buffers with no host sync inside. generate_batch's loop calls it (eager), torch.compile of it
 (--compile) or its CUDA graph (--cuda-graph); generate() is generate_batch for one prompt.
 --budget auto: before each step AutoBudget picks a tree or one token, whichever commits faster.
+The command line (flags, loading, chat) is cli.py; `python generate.py` runs it.
 """
 from __future__ import annotations
 
-import argparse
-import math
 import os
 import sys
 import time
@@ -30,7 +27,6 @@ from typing import NamedTuple
 
 import torch
 
-import checkpoint as C
 import kernels
 import model as M
 import tree as T
@@ -39,7 +35,6 @@ import verify as V
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUNDLED_TARGET = os.path.join(HERE, "checkpoints", "tiny-k2")
 BUNDLED_DRAFT = os.path.join(HERE, "checkpoints", "tiny-k2-dflash")
-MAX_BUDGET = 1024      # verify width B+1; above 64 rows the tree attention runs its PyTorch reference
 AUTO_BUDGET = 8        # --budget auto: trees of this budget, or one token per step
 # torch.compile of the step rounds every intermediate to the model dtype where eager does: without it inductor keeps
 # fused intermediates in fp32, a slightly different bf16 target from the eager one the drafter was distilled
@@ -48,8 +43,7 @@ COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
 def compile_options() -> dict:
-    """COMPILE_OPTIONS that this torch's inductor knows. torch.compile rejects unknown options, and an older torch may
-    lack emulate_precision_casts: it then compiles without it, with a warning (bf16 acceptance may drop)."""
+    """COMPILE_OPTIONS that this torch's inductor knows (torch.compile rejects unknown ones; without it, a warning)."""
     from torch._inductor import config as inductor_config
     missing = [k for k in COMPILE_OPTIONS if not hasattr(inductor_config, k)]
     if missing:
@@ -118,8 +112,7 @@ def check_prompt(prompt_ids: list[int], vocab: int, max_seq_len: int, what: str 
 
 
 class View(NamedTuple):
-    """What a speculative step leaves for a viewer (--show-tree, --trace) to read after it: tensors the step made
-    anyway, so keeping them costs nothing."""
+    """What a speculative step leaves for a viewer (--show-tree, --trace) to read after it: tensors it made anyway."""
     tree: T.Tree                   # fields [B, N]
     targets: torch.Tensor          # [B, N] the target's token after each node
     accepted: torch.Tensor         # [B, N] the accepted path's nodes, root first
@@ -316,11 +309,10 @@ class Step:
         return t
 
     def auto(self, room: int) -> AutoBudget:
-        """--budget auto's controller, made on first use, after a prefill (the state rehearse runs from) and before
-        the decoding clock starts: every step function compiled or captured, then a tree step's time over a
-        one-token step's, the median of 7 pairs (a burst of load on the machine slows both of a pair). Under TP
-        every rank takes rank 0's ratio, so all make the same choices. room: free cache slots past the longest row;
-        without room for a tree and a catch_up there is no controller (None: trees while they fit)."""
+        """--budget auto's controller, made once, after a prefill and before the decoding clock starts: every step
+        function compiled or captured, then a tree step's time over a one-token step's, the median of 7 pairs (load
+        on the machine slows both of a pair). Under TP every rank takes rank 0's ratio, so all choose alike. room:
+        free cache slots past the longest row; none for a tree and a catch_up: no controller (trees while they fit)."""
         if self.control is None and room > self.N + self.drafter.block_size:
             for key in self.fns:
                 self.rehearse(key)
@@ -333,8 +325,7 @@ class Step:
 
 def capture_graph(fn, warmup: int = 1, reset=None) -> "torch.cuda.CUDAGraph":
     """fn captured in a CUDA graph, after `warmup` calls on a side stream (as torch's CUDA-graph notes ask), each
-    followed by reset(): a decode step's warm-up calls all start where the captured one does, so near the cache end
-    they write no further than it."""
+    followed by reset(): every warm-up call starts where the capture does, so none writes past its cache slots."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -350,15 +341,13 @@ def capture_graph(fn, warmup: int = 1, reset=None) -> "torch.cuda.CUDAGraph":
 
 
 class AutoBudget:
-    """--budget auto: a tree step while trees commit tokens faster than one-token steps, i.e. while the running mean
-    of the tokens a tree step commits exceeds `ratio`, a tree step's time over a one-token step's (Step.auto times
-    both once). Why both: a tree pays only while the tokens it adds outweigh its cost beyond one token; the first
-    depends on the text and the temperature, the second on the machine.
-    When trees stop paying (judged after MIN_RUN tree steps), `wait` one-token steps follow: plain decoding, the
-    drafter idle. Then a probe: Step.catch_up gives the drafter the tokens it missed, and trees run again. Every
-    step fades the mean's past by KEEP, so after a long stretch the probe counts most. Each time trees stop paying
-    the wait doubles (up to MAX_WAIT); it resets once a run of trees has paid for a block of steps after its probe
-    (one lucky probe does not). A stretch lasts a block at least (min_wait): each catch_up costs a target forward."""
+    """--budget auto: tree steps while the running mean of the tokens a tree step commits exceeds `ratio`, a tree
+    step's time over a one-token step's (Step.auto times both once): the first depends on the text and the
+    temperature, the second on the machine. When trees stop paying (judged after MIN_RUN tree steps), `wait`
+    one-token steps follow (plain decoding, the drafter idle), then a probe: Step.catch_up gives the drafter what it
+    missed and trees run again. Each step fades the mean's past by KEEP, so the probe counts most. Each time trees
+    stop paying the wait doubles (up to MAX_WAIT); it resets once a run of trees has paid for a block of steps after
+    its probe. A stretch lasts a block at least (min_wait): each catch_up costs a target forward."""
     KEEP = 0.97           # the running mean's weight on its past, per step (its memory: ~30 steps)
     MIN_RUN = 3           # tree steps in a run before the controller may leave trees
     MAX_WAIT = 256        # one-token steps between two probes, at most
@@ -414,9 +403,8 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
                    debug: bool = False) -> list[list[int]]:
     """Decode several prompts at once, each in its own cache row, until each stops (stop token, length, cache end).
     drafter=None or budget=0: autoregressive; chain=True: the DFlash chain (the drafter's top-1 at each position);
-    budget="auto": before each step AutoBudget picks a tree of AUTO_BUDGET or one token (when sampling, the tokens
-    follow the target's distribution but do not repeat for a seed: the choices, which draw differently, follow
-    measured times).
+    budget="auto": before each step AutoBudget picks a tree of AUTO_BUDGET or one token (sampled tokens follow the
+    target's distribution but, as the choices follow measured times, do not repeat for a seed).
     on_tokens(b, tokens): row b's committed tokens, each step (streaming). on_step(b, view, tokens): after each
     speculative step, for each row still decoding, the step's View and the tokens row b committed.
     mode: "eager" (the step as it is, timed stage by stage), "static" (the same, timed as a whole), "compile",
@@ -507,291 +495,6 @@ def check_ranks_agree(tokens: list) -> None:
         raise RuntimeError(f"ranks disagree on the committed tokens: {seen}")
 
 
-# ----------------------------------------------------------------------------------------------
-# Loading and the command line
-
-
-def check_args(a: argparse.Namespace) -> None:
-    """Every flag against its range, the other flags and the file system, before anything loads (ValueError naming
-    the flag). Parses --prompt-ids into a list and reads --prompts into a.prompt_texts."""
-    if a.ckpt == BUNDLED_TARGET and a.draft is None:
-        a.draft = BUNDLED_DRAFT
-    if C.is_random(a.ckpt):      # random weights: the random drafter of the same shapes; ids in, ids out
-        a.draft = a.ckpt + "-dflash" if a.draft is None else a.draft
-        if a.tokenizer is None and a.prompt_ids is None:
-            raise ValueError(f"--ckpt {a.ckpt} has no tokenizer: give the prompt as --prompt-ids (or pass --tokenizer)")
-    for flag, ok, want, got in [("--budget", a.budget == "auto" or 0 <= a.budget <= MAX_BUDGET,
-                                 f"in [0, {MAX_BUDGET}] or auto", a.budget),
-                                ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1", a.max_new_tokens),
-                                ("--max-seq-len", a.max_seq_len >= 2, ">= 2", a.max_seq_len),
-                                ("--temperature", a.temperature >= 0, ">= 0", a.temperature),
-                                ("--top-k", a.top_k >= 0, ">= 0 (0: off)", a.top_k),
-                                ("--top-p", 0 < a.top_p <= 1, "in (0, 1]", a.top_p)]:
-        if not ok:
-            raise ValueError(f"{flag} must be {want}, got {got}")
-    for flag, path in (("--ckpt", a.ckpt), ("--draft", a.draft), ("--tokenizer", a.tokenizer)):
-        if C.is_random(path) and flag != "--tokenizer":
-            C.random_config(path)           # an unknown name: one line listing the random models there are
-        elif path is not None and not os.path.isdir(path):
-            raise ValueError(f"{flag} {path}: no such checkpoint directory")
-    if a.device and a.device.startswith("cuda") and (torch.device(a.device).index or 0) >= torch.cuda.device_count():
-        why = "this torch is a CPU-only build" if torch.version.cuda is None else "no such CUDA device is visible"
-        raise ValueError(f"--device {a.device}: {why} (torch {torch.__version__}); use --device cpu")
-    if a.prompt_ids is not None:
-        try:
-            a.prompt_ids = [int(t) for t in a.prompt_ids.split(",")]
-        except ValueError:
-            raise ValueError(f"--prompt-ids {a.prompt_ids!r}: expected comma-separated token ids, e.g. 1,2,3") from None
-    a.prompt_texts = None
-    if a.prompts is not None:
-        if not os.path.isfile(a.prompts):
-            why = "is a directory" if os.path.isdir(a.prompts) else "does not exist"
-            raise ValueError(f"--prompts {a.prompts} {why}: expected a text file with one prompt per line")
-        with open(a.prompts) as f:
-            a.prompt_texts = [line.rstrip("\n") for line in f if line.strip()]
-        if not a.prompt_texts:
-            raise ValueError(f"--prompts {a.prompts}: no prompts (one per line)")
-    for flag, on in (("--chain", a.chain), ("--trace", a.trace)):
-        if on and a.budget == "auto":
-            raise ValueError(f"{flag} with --budget auto: auto chooses between a tree and one token per step, and "
-                             f"{flag} needs every step drafted; give a fixed --budget")
-    for flag, on in (("--chain", a.chain), ("--show-tree", a.show_tree), ("--trace", a.trace)):
-        if on and not (a.draft and a.budget != 0):     # nothing would be drafted: decoding is autoregressive
-            raise ValueError(f"{flag} needs a drafter (--draft) and --budget >= 1, got "
-                             + ("--budget 0" if a.draft else "no --draft"))
-    if a.cuda_graph and (a.device == "cpu" or not torch.cuda.is_available()):
-        raise ValueError("--cuda-graph needs a CUDA device")
-    if a.trace and not os.path.isdir(os.path.dirname(os.path.abspath(a.trace))):
-        raise ValueError(f"--trace {a.trace}: no such directory to write the page in")
-    if a.show_tree and a.prompts:
-        raise ValueError("--show-tree prints one sequence's trees: not with --prompts")
-    if (a.raw or a.prompt_ids is not None) and (a.system is not None or a.thinking is not None):
-        raise ValueError("--system and --thinking/--no-thinking shape the chat template: not with --raw, --prompt-ids")
-
-
-def check_cache_memory(a, margs: M.ModelArgs, dargs, device: torch.device, dtype: torch.dtype, batch: int) -> None:
-    """--max-seq-len sizes the KV caches up front: refuse one that cannot fit, before the weights load."""
-    import draft as D
-    need = math.prod(M.Transformer.cache_shape(margs, batch, a.max_seq_len)) + (
-        math.prod(D.DFlashDrafter.cache_shape(dargs, batch, a.max_seq_len, dargs.num_key_value_heads // M.world_size))
-        if dargs else 0)
-    need *= dtype.itemsize
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:      # Linux's MemAvailable (it counts the page cache the kernel would give back); elsewhere unknown
-        meminfo = open("/proc/meminfo").read().splitlines() if os.path.exists("/proc/meminfo") else []
-        free = next((int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")), float("inf"))
-    if need > free:
-        raise ValueError(f"--max-seq-len {a.max_seq_len}: the KV caches need {need / 2**30:.1f} GiB, but {device} "
-                         f"has {free / 2**30:.1f} GiB free; lower --max-seq-len")
-
-
-def main(argv=None) -> int:
-    """CLI entry: a user mistake (bad flag, path, config, prompt) prints one line on rank 0 and exits 2; --debug
-    shows the traceback instead. Under torchrun the ranks exit 0 after that line: torchrun answers a worker's
-    non-zero exit with a traceback of its own."""
-    a = None
-    try:
-        a = build_parser().parse_args(argv)
-        rc = _main(a)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
-        if a is not None and a.debug:
-            raise
-        if os.environ.get("RANK", "0") == "0":      # M.rank is not set yet when the error comes before init
-            print(f"error: {e}", file=sys.stderr)
-        rc = 0 if "TORCHELASTIC_RUN_ID" in os.environ else 2
-    M.close_distributed()
-    return rc
-
-
-def _main(a: argparse.Namespace) -> int:
-    import draft as D
-    from tokenizer import StreamDecoder, Tokenizer
-    from trace_page import Trace
-    check_args(a)
-    device = M.init_distributed(device=a.device)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[
-        a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    if a.no_triton:
-        kernels.ENABLED = False
-    dargs = D.DraftArgs.from_config(a.draft) if a.draft and a.budget != 0 else None
-    if dargs is not None:
-        D.check_tp_divisibility(dargs, M.world_size)           # before the target loads, not after
-    check_cache_memory(a, M.ModelArgs.from_config(a.ckpt), dargs, device, dtype, len(a.prompt_texts or [0]))
-    tokenizer = (C.IdTokenizer() if C.is_random(a.ckpt) and a.tokenizer is None
-                 else Tokenizer.from_dir(a.tokenizer or a.ckpt))
-    target = C.load_model(a.ckpt, device, dtype, progress=not a.quiet)
-    if tokenizer.vocab_size > target.args.vocab_size:
-        raise ValueError(f"tokenizer in {a.tokenizer or a.ckpt} has {tokenizer.vocab_size} ids but the model's "
-                         f"vocab_size is {target.args.vocab_size}")
-    drafter = C.load_drafter(a.draft, target.args, device, dtype) if dargs is not None else None
-    mem = f"peak host RSS {C.peak_rss_bytes() / 2**30:.2f} GiB" + (
-        f", device memory {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else "")
-    M.print0(f"[loaded {a.ckpt}" + (f" + drafter {a.draft}" if drafter else "") + f" on {device}, {dtype}; {mem}]")
-    modes = [m for m, on in (("graph", a.cuda_graph), ("compile", a.compile)) if on]
-    kw = dict(drafter=drafter, budget=a.budget, chain=a.chain, temperature=a.temperature, top_k=a.top_k,
-              top_p=a.top_p, seed=a.seed, max_seq_len=a.max_seq_len, stop_ids=tokenizer.stop_ids if not a.raw else (),
-              mode="eager" if a.eager or not modes else "+".join(modes), debug=a.debug)   # graph, compile, both
-    chat_kw = {} if a.thinking is None else {"thinking": a.thinking}    # unset: the template's own default
-    system = [{"role": "system", "content": a.system}] if a.system is not None else []
-    encode = tokenizer.encode if a.raw else (
-        lambda text: tokenizer.apply_chat_template(system + [{"role": "user", "content": text}], **chat_kw))
-    if a.show_tree:      # each step's tree, then the tokens it committed, never mixed with streamed text
-        M.print0(T.LEGEND)
-        kw["on_step"] = lambda b, v, new: M.print0("\n" + T.format_tree(
-            v.tree[b], lambda t: tokenizer.decode([t]), v.accepted[b, :len(new)], bonus=new[-1]))
-    trace = Trace(tokenizer.decode, vars(a), then=kw.get("on_step")) if a.trace and M.rank == 0 else None
-    if trace:            # each step's View, read after the step; the page is rewritten after each run (chat turn)
-        kw["on_step"] = trace.on_step
-
-    def run(prompt_ids: list[int]) -> list[int]:
-        """One prompt, streamed as it is committed (never a broken UTF-8 character), then its statistics."""
-        dec, stats = StreamDecoder(tokenizer), Stats()
-        stream = (lambda ids: M.print0("committed: " + " ".join(repr(tokenizer.decode([t])) for t in ids))
-                  ) if a.show_tree else (lambda ids: M.print0(dec.push(ids), end="", flush=True))
-        if trace:
-            trace.begin([prompt_ids], stats)
-        ids = generate(target, prompt_ids, a.max_new_tokens, on_tokens=stream, stats=stats, **kw)
-        if trace:
-            trace.write(a.trace)
-        stop = f", stopped: {stats.stopped}" if stats.stopped else ""
-        M.print0(dec.flush() + f"\n[{stats.new_tokens} tokens in {stats.decode_s:.2f} s: {stats.tokens_per_s:.1f} "
-                 f"tok/s, prefill {stats.prefill_s * 1000:.0f} ms{stop}]")
-        if drafter is not None:
-            st = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in stats.stage_s.items())
-            mix = f"; steps per budget {stats.budget_mix()} (auto)" if a.budget == "auto" else ""
-            M.print0(f"[mean accept length {stats.mean_accept:.2f} over {len(stats.accept_lens)} steps; "
-                     f"histogram {stats.histogram()}; {st}{mix}]")
-        return ids
-
-    if a.prompt_texts:
-        run_batch(a, tokenizer, target, kw, encode, trace)
-    elif a.prompt_ids is not None:
-        run(a.prompt_ids)
-    elif a.prompt is None and sys.stdin.isatty():
-        bundled = os.path.realpath(a.ckpt) == os.path.realpath(BUNDLED_TARGET)
-        interactive(tokenizer, run, chat_kw, system, note="; the bundled tiny model is a code model, not an "
-                    "assistant: it continues code (try --prompt 'def fib(n):' --raw)" if bundled else "")
-    else:
-        text = a.prompt if a.prompt is not None else sys.stdin.read()
-        M.print0(text if a.raw else "", end="\n" if a.show_tree else "")       # a raw prompt: the text continues it
-        run(encode(text))
-    return 0
-
-
-def run_batch(a, tokenizer, target, kw, encode, trace=None) -> None:
-    """--prompts FILE: one prompt per line, decoded together as one batch (one section of the --trace page each)."""
-    stats = Stats()
-    if trace:
-        trace.begin([encode(t) for t in a.prompt_texts], stats)
-    outs = generate_batch(target, [encode(t) for t in a.prompt_texts], a.max_new_tokens, stats=stats, **kw)
-    if trace:
-        trace.write(a.trace)
-    for t, o in zip(a.prompt_texts, outs):
-        M.print0(f"--- {t!r}\n{tokenizer.decode([x for x in o if x not in tokenizer.stop_ids])}")
-    M.print0(f"[{len(outs)} prompts, {stats.new_tokens} tokens in {stats.decode_s:.2f} s: "
-             f"{stats.new_tokens / max(stats.decode_s, 1e-9):.1f} tok/s in total; mean accept {stats.mean_accept:.2f}]")
-
-
-def interactive(tokenizer, run, chat_kw: dict, system: list[dict] = (), note: str = "") -> None:
-    """Multi-turn chat: each turn renders the whole history (after `system`) through the checkpoint's chat
-    template; /reset clears it, /exit or EOF ends. Under torchrun rank 0 reads the terminal for every rank."""
-    M.print0(f"[chat: /reset clears the history, /exit or Ctrl-D ends{note}]")
-    history = list(system)
-    while (line := _read_line("> ")) is not None and line.strip() != "/exit":
-        if line.strip() == "/reset":
-            history = list(system)
-            M.print0("[history cleared]")
-        elif line.strip():
-            history.append({"role": "user", "content": line})
-            try:
-                ids = run(tokenizer.apply_chat_template(history, **chat_kw))
-            except KeyboardInterrupt:
-                M.print0("\n[interrupted]")
-                history.pop()
-                continue
-            # what precedes </think> is reasoning: the template decides whether later turns see it
-            text = tokenizer.decode([t for t in ids if t not in tokenizer.stop_ids])
-            reasoning, think_end, answer = text.rpartition("</think>")
-            history.append({"role": "assistant", "content": answer.strip()}
-                           | ({"reasoning_content": reasoning.strip()} if think_end else {}))
-
-
-def _read_line(prompt: str) -> str | None:
-    """Rank 0 reads the terminal (None at EOF) and broadcasts the line: every rank decodes the same prompt."""
-    box = [None]
-    if M.rank == 0:
-        try:
-            box[0] = input(prompt)
-        except EOFError:
-            pass
-    if M.world_size > 1:
-        torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):            # a ValueError naming the flag (main prints one line), not the usage block
-        raise ValueError(f"{message} (see --help)")
-
-
-class _Help(argparse.RawDescriptionHelpFormatter):
-    def _get_help_string(self, action):  # every default shown, except "off" and "chosen at run time"
-        shown = action.default not in (None, argparse.SUPPRESS) and action.default is not False
-        return action.help + (" (default: %(default)s)" if shown and "%(default)" not in action.help else "")
-
-
-def budget_arg(v: str) -> int | str:
-    """--budget: a node count, or auto."""
-    if v == "auto":
-        return v
-    try:
-        return int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a node count or auto, got {v!r}") from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=_Help, epilog="""which prompt:
-  --prompt, --prompt-ids or --prompts: generate once and exit. With none of them, a terminal on stdin starts a
-  chat (multi-turn, through the checkpoint's chat template); any other stdin is read as one prompt.
-  The bundled tiny model is a code model, not an assistant: try --prompt "def fib(n):" --raw""")
-    p.add_argument("--ckpt", default=BUNDLED_TARGET, help="target checkpoint dir (HF safetensors, K2/K2.6 layout), or "
-                   "random:k2.6 / random:tiny: K2.6's shapes with random weights (timing; prompts as --prompt-ids)")
-    p.add_argument("--draft", default=None, help="DFlash drafter dir (default: the bundled one with the bundled model, "
-                   "random:<name>-dflash with random:<name>)")
-    p.add_argument("--tokenizer", default=None, help="dir with tiktoken.model, tokenizer_config.json (default: --ckpt)")
-    one = p.add_mutually_exclusive_group()
-    one.add_argument("--prompt", default=None, help="user message (chat template applied unless --raw)")
-    one.add_argument("--prompt-ids", default=None, help="comma-separated token ids (no tokenizer involved)")
-    one.add_argument("--prompts", default=None, help="file with one prompt per line: decoded together as a batch")
-    p.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text as is")
-    p.add_argument("--system", default=None, help="a system message before the conversation")
-    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
-                   help="K2.6 thinking mode on or off (default: the chat template's own choice)")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="stop after this many generated tokens")
-    p.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (prompt + generated)")
-    p.add_argument("--budget", type=budget_arg, default=8, help="DDTree node budget (0: autoregressive; auto: "
-                   f"before each step a tree of {AUTO_BUDGET} or one token, whichever commits faster here)")
-    p.add_argument("--chain", action="store_true", help="DFlash chain instead of a tree")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens holding this mass")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    p.add_argument("--show-tree", action="store_true", help="print each step's tree, then the tokens it committed")
-    p.add_argument("--trace", default=None, metavar="FILE.html",
-                   help="write every step's tree, the target's token at each node and the accepted path to one page")
-    p.add_argument("--device", default=None, help=M.DEVICE_HELP)
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="weights and activations (default: bf16 on CUDA, fp32 on the CPU)")
-    p.add_argument("--no-triton", action="store_true", help="force the PyTorch reference kernels")
-    p.add_argument("--cuda-graph", action="store_true", help="replay each step as a captured CUDA graph")
-    p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape step")
-    p.add_argument("--eager", action="store_true", help="force the eager reference loop (the default)")
-    p.add_argument("--debug", action="store_true", help="NaN/inf checks per layer, TP agreement, full tracebacks")
-    p.add_argument("--quiet", action="store_true", help="no loading progress bar")
-    return p
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    import cli
+    sys.exit(cli.main())

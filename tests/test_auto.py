@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+import cli
 import draft as D
 import generate as G
 import tiny
@@ -327,16 +328,16 @@ def test_stats_budget_mix():
 def test_cli_budget_auto(target, drafter):
     """--budget takes a node count or auto (anything else: a ValueError naming --budget); auto with --chain or
     --trace is refused by name (both need every step drafted), and so is generate_batch's chain=True."""
-    p = G.build_parser()
+    p = cli.build_parser()
     assert p.parse_args(["--budget", "auto"]).budget == "auto" and p.parse_args(["--budget", "4"]).budget == 4
     with pytest.raises(ValueError, match="--budget"):
         p.parse_args(["--budget", "many"])
-    G.check_args(p.parse_args(["--budget", "auto", "--prompt", "x"]))          # accepted
+    cli.check_args(p.parse_args(["--budget", "auto", "--prompt", "x"]))          # accepted
     with pytest.raises(ValueError, match=r"--budget must be in \[0, 1024\] or auto"):
-        G.check_args(p.parse_args(["--budget", "-1", "--prompt", "x"]))
+        cli.check_args(p.parse_args(["--budget", "-1", "--prompt", "x"]))
     for flag in (["--chain"], ["--trace", "t.html"]):
         a = p.parse_args(["--budget", "auto", *flag, "--prompt", "x"])
         with pytest.raises(ValueError, match=f"{flag[0]} with --budget auto"):
-            G.check_args(a)
+            cli.check_args(a)
     with pytest.raises(ValueError, match="not with --chain"):
         G.generate_batch(target, [PROMPT], 4, drafter=drafter, budget="auto", chain=True, max_seq_len=32)

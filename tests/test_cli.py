@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import checkpoint as C
+import cli
 import draft as D
 import generate as G
 import model as M
@@ -39,7 +40,7 @@ def ckpt(tmp_path_factory):
 
 
 def run(capsys, *argv):
-    code = G.main(list(argv))
+    code = cli.main(list(argv))
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -149,7 +150,7 @@ def test_nan_weights_name_the_tensor(ckpt, tmp_path, capsys):
 
 def test_debug_shows_traceback(ckpt, capsys):
     with pytest.raises(ValueError, match="empty prompt"):
-        G.main(["--ckpt", str(ckpt), "--prompt", "", "--raw", "--debug", "--quiet"])
+        cli.main(["--ckpt", str(ckpt), "--prompt", "", "--raw", "--debug", "--quiet"])
 
 
 def test_cache_end_stops_cleanly(ckpt, capsys):
@@ -183,14 +184,14 @@ def test_show_tree(ckpt, capsys):
 
 def test_help_shows_every_default(capsys):
     with pytest.raises(SystemExit) as e:
-        G.main(["--help"])
+        cli.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert e.value.code == 0
     for flag, default in [("--budget", "8"), ("--max-new-tokens", "200"), ("--max-seq-len", "4096"),
                           ("--temperature", "0.0"), ("--top-k", "0"), ("--top-p", "1.0"), ("--seed", "0")]:
         assert f"(default: {default})" in out.split(f" {flag} ")[1].split(" --")[0], flag
     assert "terminal on stdin starts a chat" in out and "code model, not an assistant" in out
-    assert all(a.help for a in G.build_parser()._actions)
+    assert all(a.help for a in cli.build_parser()._actions)
 
 
 class Terminal:
@@ -226,7 +227,7 @@ def test_system_and_thinking_reach_the_template(ckpt, monkeypatch, capsys):
                                  unk_token="[UNK]")
     hf.chat_template = tok.chat_template
     for flags, kw in [([], {}), (["--thinking"], {"thinking": True}), (["--no-thinking"], {"thinking": False})]:
-        assert G.main(["--ckpt", str(ckpt), "--prompt", "hi", "--system", "be brief", "--quiet", *flags]) == 0
+        assert cli.main(["--ckpt", str(ckpt), "--prompt", "hi", "--system", "be brief", "--quiet", *flags]) == 0
         assert seen[-1] == tok.apply_chat_template(msgs, **kw), flags
         assert tok.decode(seen[-1]) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
     assert seen[1] != seen[2] and "be brief" in tok.decode(seen[0])
@@ -254,7 +255,7 @@ def test_interactive_session(monkeypatch, capsys):
             raise KeyboardInterrupt
         return [5, 0]
     system = [{"role": "system", "content": "S"}]
-    G.interactive(Tok(), run, {"thinking": True}, system)
+    cli.interactive(Tok(), run, {"thinking": True}, system)
     answer = {"role": "assistant", "content": "ok", "reasoning_content": "plan"}
     contents = [[m["content"] for m in h] for h, _ in seen]
     assert contents == [["S", "hello"], ["S", "hello", "ok", "again"], ["S", "boom"], ["S", "after"]]
@@ -266,7 +267,7 @@ def test_interactive_eof_ends(monkeypatch):
     def eof(prompt=""):
         raise EOFError
     monkeypatch.setattr("builtins.input", eof)
-    G.interactive(None, None, {})       # returns cleanly
+    cli.interactive(None, None, {})       # returns cleanly
 
 
 def test_torchrun_drafter_error_once(ckpt, tmp_path):

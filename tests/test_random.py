@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 import bench
 import checkpoint as C
+import cli
 import draft as Dr
 import generate as G
 import model as M
@@ -173,14 +174,14 @@ def test_real_size_per_rank_layout():
 
 
 def test_cli(capsys):
-    rc = G.main(["--ckpt", "random:tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--budget", "4",
+    rc = cli.main(["--ckpt", "random:tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--budget", "4",
                  "--max-seq-len", "64", "--quiet"])
     out = capsys.readouterr().out
     assert rc == 0 and "random:tiny + drafter random:tiny-dflash" in out and "[3 tokens" in out
     assert out.count("<") >= 3                              # the ids, as <id>: no tokenizer covers a random model
     for argv, msg in [(["--ckpt", "random:k3"], "random:k3: no such random model (expected one of random:k2.6"),
                       (["--ckpt", "random:tiny", "--prompt", "hi"], "--ckpt random:tiny has no tokenizer")]:
-        assert G.main(argv + ["--prompt-ids", "1"] * ("--prompt" not in argv)) == 2
+        assert cli.main(argv + ["--prompt-ids", "1"] * ("--prompt" not in argv)) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {msg}") and err.count("\n") == 1, err
     res = bench.main(["e2e", "--ckpt", "random:tiny", "--device", "cpu", "--budgets", "4", "--max-new-tokens", "4",

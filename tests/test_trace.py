@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import checkpoint as C
+import cli
 import draft as D
 import generate as G
 from tokenizer import Tokenizer
@@ -116,19 +117,19 @@ def test_temperature_shows_the_sampled_tokens(pair):
 def test_cli_writes_the_page(tmp_path, capsys):
     """One prompt, and a --prompts batch (one section per prompt); a bad --trace fails before loading."""
     one, many = tmp_path / "one.html", tmp_path / "many.html"
-    assert G.main(["--raw", "--prompt", "def f(x):", "--max-new-tokens", "5", "--budget", "4", "--quiet",
+    assert cli.main(["--raw", "--prompt", "def f(x):", "--max-new-tokens", "5", "--budget", "4", "--quiet",
                    "--trace", str(one)]) == 0
     p = Page(one.read_text())
     assert len(p.trees) >= 1 and p.tags["section"] == 1
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\nimport os\n")
-    assert G.main(["--raw", "--prompts", str(prompts), "--max-new-tokens", "5", "--budget", "4", "--quiet",
+    assert cli.main(["--raw", "--prompts", str(prompts), "--max-new-tokens", "5", "--budget", "4", "--quiet",
                    "--trace", str(many)]) == 0
     p = Page(many.read_text())
     assert p.tags["section"] == 2 and p.tags["h2"] == 2 and len(p.trees) >= 2
     capsys.readouterr()
     for argv, word in [(["--trace", str(tmp_path / "no" / "x.html")], "no such directory"),
                        (["--trace", str(one), "--budget", "0"], "--trace needs a drafter")]:
-        assert G.main(["--prompt", "x", "--quiet"] + argv) == 2
+        assert cli.main(["--prompt", "x", "--quiet"] + argv) == 2
         err = capsys.readouterr().err
         assert word in err and len(err.strip().splitlines()) == 1, err
