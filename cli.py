@@ -26,6 +26,7 @@ import tree as T
 
 MAX_BUDGET = 1024      # verify width B+1; above 64 rows the tree attention runs its PyTorch reference
 
+
 def check_args(a: argparse.Namespace) -> None:
     """Every flag against its range, the other flags and the file system, before anything loads (ValueError naming
     the flag). Parses --prompt-ids into a list and reads --prompts into a.prompt_texts."""
