@@ -804,7 +804,7 @@ def check_finite(t: torch.Tensor, where: str) -> None:
 # Running under torchrun: WORLD_SIZE, RANK and LOCAL_RANK come from its environment.
 
 DEVICE_HELP = ("cpu, cuda or cuda:N (default: this rank's GPU, else the CPU); under torchrun the backend follows it: "
-               "NCCL on GPUs, gloo on the CPU")          # generate.py's and bench.py's --device (init_distributed)
+               "NCCL on GPUs, gloo on the CPU")          # --device of generate.py (cli.py) and bench.py
 
 
 def init_distributed(timeout_s: float = 300.0, device: str | None = None) -> torch.device:
