@@ -596,17 +596,13 @@ def synthetic_prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _collectives_in(counts: dict) -> int:
-    return sum(counts.values())
-
-
 @torch.no_grad()
 def bench_one_rank(a, device, dtype) -> dict:
     """e2e --one-rank-of N: rank 0 of TP N in this one process (collectives_not_run): for each --ctx (a synthetic
-    prompt of that many tokens), --temperature and step (AR, then DDTree at each --budgets), a warm-up decode
-    (CUDA graphs captured) and a timed decode of --max-new-tokens with generate(mode=--step-mode): ms per step
-    = decode time / steps, everything the loop does between the first token and the last. The collectives per
-    step are counted (step_collectives). Then the projection: tok/s = accept / (ms per step + calls x cost)."""
+    prompt of that many tokens), --temperature and step (AR, then DDTree at each --budgets): a warm-up decode
+    from its first 16 tokens (kernels compiled, CUDA graphs captured), then a timed decode of --max-new-tokens by
+    generate(mode=--step-mode). ms per step = decode time / steps: all the loop does after the first token. The
+    collectives per step are counted (step_collectives). Projection: tok/s = accept / (ms per step + calls x cost)."""
     import generate as G
     if M.world_size > 1:
         raise ValueError("--one-rank-of runs in one process: run it without torchrun")
@@ -625,7 +621,8 @@ def bench_one_rank(a, device, dtype) -> dict:
                f"the step call was a no-op that only counted its calls; their cost is projected below, not measured")
         print0(f"weights of this rank: {weights / 2**30:.2f} GiB; synthetic prompts of {', '.join(map(str, a.ctx))} "
                f"tokens (random ids, seed {a.seed}); {a.max_new_tokens} new tokens per run; warm-up: "
-               + ("none" if a.warmup == 0 else f"{a.max_new_tokens if a.warmup < 0 else a.warmup} tokens per run"))
+               + ("none" if a.warmup == 0 else f"{a.max_new_tokens if a.warmup < 0 else a.warmup} tokens per run "
+                  "after the prompt's first 16"))
         G.Step.cache.clear()
         target.setup_cache(1, 2 + 2 * widest + 8)
         if drafter is not None:
@@ -646,8 +643,8 @@ def bench_one_rank(a, device, dtype) -> dict:
                 for b in steps:
                     kw = dict(drafter=drafter if b else None, budget=b, temperature=temp, max_seq_len=max_seq_len,
                               mode=a.step_mode)
-                    if a.warmup != 0:
-                        G.generate(target, prompt, a.max_new_tokens if a.warmup < 0 else a.warmup, **kw)
+                    if a.warmup != 0:     # a short prompt: the step's shapes (and graphs) do not depend on it
+                        G.generate(target, prompt[:16], a.max_new_tokens if a.warmup < 0 else a.warmup, **kw)
                     st = G.Stats()
                     G.generate(target, prompt, a.max_new_tokens, stats=st, **kw)
                     n = len(st.accept_lens)
@@ -656,12 +653,13 @@ def bench_one_rank(a, device, dtype) -> dict:
                                  "budget": b or None, "steps": n, "decode_s": st.decode_s,
                                  "ms_per_step": 1e3 * st.decode_s / n, "mean_accept": st.mean_accept,
                                  "prefill_s": st.prefill_s, "all_reduce": c.get("all_reduce", 0),
-                                 "all_gather": c.get("all_gather", 0), "collectives": _collectives_in(c),
+                                 "all_gather": c.get("all_gather", 0), "collectives": sum(c.values()),
                                  "collective_calls": c})
         G.Step.cache.clear()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     proj = project_one_rank(rows, a.accept, a.allreduce_us)
-    print_one_rank(tp, rows, proj, a.accept, a.allreduce_us, weights, peak)
+    print_one_rank(tp, rows, proj, a.accept, a.allreduce_us, weights, peak,
+                   a.step_mode == "eager" and device.type == "cuda")
     return {"one_rank_of": tp, "rank": 0, "collectives_run": False, "statement": COLLECTIVES_NOT_RUN,
             "target": ckpt, "draft": draft_dir, "dtype": str(dtype).replace("torch.", ""),
             "step_mode": a.step_mode, "max_new_tokens": a.max_new_tokens, "ctx": a.ctx, "accept": a.accept,
@@ -692,15 +690,17 @@ def project_one_rank(rows: list[dict], accepts: list[float], costs_us: list[floa
 
 
 def print_one_rank(tp: int, rows: list[dict], proj: list[dict], accepts: list[float], costs_us: list[float],
-                   weights: int, peak: int | None) -> None:
+                   weights: int, peak: int | None, eager_cuda: bool) -> None:
     step = lambda r: f"DDTree {r['budget']}" if r["budget"] else "AR"
     print0(table(["ctx", "temp", "step", "steps", "ms/step", "all-reduces/step", "all-gathers/step",
-                  "collectives/step", "accept (random weights)", "prefill s"],
+                  "collectives/step", "accept here", "prefill s"],
                  [[r["ctx"], _f(r["temperature"], "g"), step(r), r["steps"], _f(r["ms_per_step"], ".2f"),
                    r["all_reduce"], r["all_gather"], r["collectives"], _f(r["mean_accept"], ".2f"),
                    _f(r["prefill_s"], ".2f")] for r in rows]))
-    print0(f"ms/step: measured on rank 0 of TP{tp} with the collectives not run (decode time / steps); "
-           f"collectives/step: counted, one step of each kind run eagerly"
+    print0(f"ms/step: measured on rank 0 of TP{tp} with the collectives not run (decode time / steps"
+           + ("; eager: the clock synchronizes the GPU after every stage" if eager_cuda else "") + "); "
+           f"collectives/step: counted, one step of each kind run eagerly; accept here: on a synthetic prompt "
+           f"(and random weights for random:<name>), not a quality figure"
            + (f"; peak CUDA memory {peak / 2**30:.2f} GiB ({weights / 2**30:.2f} GiB weights)" if peak else ""))
     print0(f"\nprojected TP{tp} decode, NOT MEASURED: tok/s = accept / (ms/step + collectives/step x cost), every "
            f"collective at --allreduce-us {', '.join(f'{c:g}' for c in costs_us)} us; AR commits 1 token per step, "
@@ -1809,8 +1809,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     l = p.add_argument_group("layers / peer")
     l.add_argument("--scale", choices=["auto", "real", "tiny"], default="auto", help="auto: real on CUDA, tiny on CPU")
     l.add_argument("--tp", type=int, default=8, help="per-rank shapes of this tensor-parallel size (rank 0)")
-    l.add_argument("--ctx", type=_ints, default=None, help="cached tokens (default real 512,4096,32768; tiny 128,1024); "
-                   "e2e --one-rank-of: synthetic prompt lengths (default 4096,32768 on CUDA, 128 on the CPU)")
+    l.add_argument("--ctx", type=_ints, default=None,
+                   help="cached tokens (default real 512,4096,32768; tiny 128,1024); e2e --one-rank-of: synthetic "
+                   "prompt lengths (default 4096,32768 on CUDA, 128 on the CPU)")
     l.add_argument("--T", type=_ints, default=[1, 9, 17, 33], help="new tokens per step (T > 1: tree verify)")
     l.add_argument("--tree", choices=["random", "chain"], default="random", help="tree shape for T > 1")
     l.add_argument("--no-dense", dest="dense", action="store_false", help="skip the dense layer-0 block")
@@ -1864,6 +1865,9 @@ def check_one_rank_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> No
         p.error("--one-rank-of: e2e only (not --batch)")
     if "auto" in a.budgets:
         p.error("--one-rank-of times fixed steps: --budgets takes node budgets, not auto")
+    if a.max_new_tokens < 2:
+        p.error(f"--one-rank-of: --max-new-tokens must be >= 2 (the first token comes from prefill; the steps "
+                f"follow), got {a.max_new_tokens}")
     if not a.accept or min(a.accept) < 1:
         p.error(f"--accept: tokens per step, each >= 1, got {a.accept}")
     if a.ctx is None:
