@@ -703,8 +703,9 @@ def print_one_rank(tp: int, rows: list[dict], proj: list[dict], accepts: list[fl
            f"(and random weights for random:<name>), not a quality figure"
            + (f"; peak CUDA memory {peak / 2**30:.2f} GiB ({weights / 2**30:.2f} GiB weights)" if peak else ""))
     print0(f"\nprojected TP{tp} decode, NOT MEASURED: tok/s = accept / (ms/step + collectives/step x cost), every "
-           f"collective at --allreduce-us {', '.join(f'{c:g}' for c in costs_us)} us; AR commits 1 token per step, "
-           f"DDTree the given accept ({', '.join(f'{x:g}' for x in accepts)}; --accept)")
+           f"collective at {', '.join(f'{c:g}' for c in costs_us)} us (--allreduce-us: a given cost, not measured "
+           f"here; `torchrun ... bench.py allreduce` measures one); AR commits 1 token per step, DDTree the given "
+           f"accept ({', '.join(f'{x:g}' for x in accepts)}; --accept)")
     print0(table(["ctx", "temp", "step", "accept", "cost us", "ms/step", "+ comm ms", "= ms/step", "tok/s no comm",
                   "tok/s"],
                  [[p["ctx"], _f(p["temperature"], "g"), step(p), _f(p["accept"], "g"), _f(p["allreduce_us"], "g"),
