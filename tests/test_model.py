@@ -118,9 +118,10 @@ def test_hidden_layers_are_layer_outputs():
         logits, hid = model(tokens, hidden_layers=(0, 2))
         h = model.embed_tokens(tokens)
         cos, sin = M.rope_cos_sin(model.inv_freq, model.rope_attn_factor, torch.arange(9).view(1, -1), h.dtype)
+        causal = torch.ones(1, 9, 9, dtype=torch.bool).tril()                     # [1, T, T]
         outs = []
         for layer in model.layers:
-            h = layer(h, cos, sin, None, None, None, False)
+            h = layer(h, cos, sin, None, None, causal, False)
             outs.append(h)
     assert hid.shape == (1, 9, 2 * 64)
     assert torch.allclose(hid, torch.cat([outs[0], outs[2]], -1), atol=1e-6)
