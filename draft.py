@@ -22,14 +22,14 @@ intermediate rows and of fc's input columns, and only its own kv heads in the co
 would be simpler, but the Kimi drafter is ~3.5B params (6.5 GB bf16), which every draft step would then read in
 full on every GPU; split 8 ways a rank reads ~0.8 GB and pays 2 all-reduces per layer + 1 (DFlashDrafter.forward).
 
-Reading order: DraftArgs; rope; the layer's two ops with a fast path (qkv_norm_rope, block_attention: plain
+Reading order: DraftArgs; the layer's two ops with a fast path (qkv_norm_rope, block_attention: plain
 PyTorch here, one Triton launch each on a GPU, kernels.py); Attention, Layer; DFlashDrafter (forward,
-draft_logits); then the checkpoint I/O (config parsing, loader, writer, tiny config).
+draft_logits); then the checkpoint I/O (config parsing, loader, writer, tiny config). The rotary
+embedding is model.py's (DFlashDrafter.rope_cos_sin).
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 
@@ -87,48 +87,6 @@ class DraftArgs:
     @staticmethod
     def from_config(path_or_dict) -> "DraftArgs":
         return _draft_args_from_dict(*C.read_config(path_or_dict, "drafter config"))
-
-
-# ----------------------------------------------------------------------------------------------
-# Rotary embedding, Qwen3 style: NeoX halves (rotate_half) over the full head_dim.
-
-
-def rope_inv_freq(a: DraftArgs) -> tuple[torch.Tensor, float]:
-    """Return (inv_freq [head_dim/2] fp32, amplitude applied to cos/sin), YaRN computed like transformers."""
-    dim, base = a.head_dim, a.rope_theta
-    pos_freq = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)               # [hd/2]
-    if a.rope_type != "yarn":
-        return 1.0 / pos_freq, 1.0
-
-    def corr_dim(rot: float) -> float:    # frequency index that turns `rot` times over the original length
-        return dim * math.log(a.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(base))
-    low, high = corr_dim(a.beta_fast), corr_dim(a.beta_slow)
-    if a.rope_truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001                      # avoid a division by zero in the ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    inv_freq = (1.0 / (a.rope_factor * pos_freq)) * ramp + (1.0 / pos_freq) * (1 - ramp)
-    # Amplitude: the Kimi DFlash checkpoints were trained with the legacy YaRN amplitude 1 + 0.1 ln(factor)
-    # (1.416 for factor 64). Newer transformers/vLLM derive mscale/mscale_all_dim = 1 from the same config
-    # and lose it, which lowers acceptance (vllm-ascend forces the legacy value). An explicit
-    # rope_scaling.attention_factor in the file still wins.
-    af = a.rope_attention_factor
-    if af is None:
-        af = 1.0 + 0.1 * math.log(a.rope_factor) if a.rope_factor > 1 else 1.0
-    return inv_freq, float(af)
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, amp: float, positions: torch.Tensor, dtype) -> tuple:
-    """positions [B, T] -> cos, sin [B, T, head_dim] for apply_rope: model.rope_cos_sin in Qwen3's halves layout."""
-    return M.rope_cos_sin(inv_freq, amp, positions, dtype, interleaved=False)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, hd]: rotate the pairs (x[i], x[i + hd/2]) (x * cos + rotate_half(x) * sin, bit for bit):
-    model.rope on Qwen3's halves."""
-    return M.rope(x, cos, sin, interleaved=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,8 +176,8 @@ class Attention(M.SharesRows):
         The same projections serve the context features (fused target hiddens, no input_layernorm) and the block
         hidden states ("KV injection"); forward does both for all rows at once."""
         B, T, _ = x.shape
-        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd)), cos, sin)
-        return k, self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd))            # [B, T, KV, hd]
+        return M.rope(k, cos, sin, interleaved=False), self.v_proj(x).view(B, T, self.n_kv, self.hd)
 
     def forward(self, x, cos, sin, k_cache, v_cache, slots, prefix, n_ctx: int, S: int) -> torch.Tensor:
         """x [B, n_ctx + bs, D]: the new context rows (fused target features), then the block's rows
@@ -272,11 +230,22 @@ class DFlashDrafter(nn.Module):
         self.max_ctx_len = 0
         self.rope_cos = self.rope_sin = None    # [slots, hd] in the weights' dtype, set by setup_cache
         self.ids = None          # 0, 1, 2, ...: slices of it are the step's slot and row numbers (no arange kernels)
-        self.rope_amp = rope_inv_freq(args)[1]
 
     block_size = property(lambda self: self.args.block_size)
     mask_token_id = property(lambda self: self.args.mask_token_id)
     target_layer_ids = property(lambda self: list(self.args.target_layer_ids))
+
+    def rope_cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, T, head_dim]: model.py's YaRN over the whole head, on
+        Qwen3's halves. Amplitude: the Kimi DFlash checkpoints were trained with the legacy YaRN
+        amplitude 1 + 0.1 ln(factor) (1.416 for factor 64). Newer transformers/vLLM derive
+        mscale/mscale_all_dim = 1 from the same config and lose it, which lowers acceptance
+        (vllm-ascend forces the legacy value). An explicit rope_scaling.attention_factor in the
+        file still wins."""
+        a = self.args
+        inv_freq, amp = M.rope_inv_freq(a, a.head_dim, a.rope_truncate,
+                                        legacy_amplitude=True)                       # [hd/2] fp32
+        return M.rope_cos_sin(inv_freq, amp, positions, dtype, interleaved=False)
 
     @staticmethod
     def cache_shape(a: DraftArgs, max_batch_size: int, max_ctx_len: int, n_kv: int) -> tuple[int, ...]:
@@ -293,12 +262,11 @@ class DFlashDrafter(nn.Module):
         shape = self.cache_shape(a, max_batch_size, max_ctx_len, self.layers[0].self_attn.n_kv)
         S = shape[3]
         self.ctx_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)                # [layers, K/V, B, S, KV, hd]
-        inv_freq = rope_inv_freq(a)[0].to(w.device)         # [hd/2] fp32 (computed here, so .to(bf16) can't round it)
         self.ids = torch.arange(max(max_batch_size, S), device=w.device)
         # cos / sin of every slot's position (a row's slot is its position), computed once: a forward gathers its
         # rows' instead of recomputing them (the same elementwise ops, so the same values; 2 launches, not ~11)
-        self.rope_cos, self.rope_sin = (t[0] for t in rope_cos_sin(inv_freq, self.rope_amp, self.ids[None, :S],
-                                                                   w.dtype))             # [S, hd] each
+        cos, sin = self.rope_cos_sin(self.ids[None, :S], w.dtype)                    # [1, S, hd]
+        self.rope_cos, self.rope_sin = cos[0], sin[0]                                # [S, hd] each
 
     def _check_room(self, ctx_len: int, n_new: int) -> None:
         if ctx_len + n_new > self.max_ctx_len:

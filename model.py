@@ -255,33 +255,41 @@ class RMSNorm(nn.Module):
 
 # ----------------------------------------------------------------------------------------------
 # Rotary embedding: YaRN frequencies exactly as transformers computes them, applied to interleaved
-# pairs (x[2i], x[2i+1]) as the DeepSeek/Kimi checkpoints expect.
+# pairs (x[2i], x[2i+1]) as the DeepSeek/Kimi checkpoints expect. The drafter (draft.py) uses the
+# same three functions over its whole head_dim, on Qwen3's halves (interleaved=False).
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
-    """Return (inv_freq [rope_dim/2] fp32, attention_factor applied to cos/sin)."""
-    dim, base = args.qk_rope_head_dim, args.rope_theta
-    freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))   # [dim/2]
+def rope_inv_freq(args, dim: int | None = None, truncate: bool = True,
+                  legacy_amplitude: bool = False) -> tuple[torch.Tensor, float]:
+    """Return (inv_freq [dim/2] fp32, attention_factor applied to cos/sin). args: a ModelArgs, or
+    the drafter's DraftArgs (the same rope fields); dim: the rotated width (default
+    qk_rope_head_dim); truncate: round the YaRN ramp's ends to whole indices (transformers'
+    default); legacy_amplitude: ignore mscale / mscale_all_dim, attention_factor = 1 + 0.1
+    ln(factor) (the drafter's)."""
+    dim, base = dim or args.qk_rope_head_dim, args.rope_theta
+    pos_freq = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)        # [dim/2]
     if args.rope_type != "yarn":
-        return freq, 1.0
+        return 1.0 / pos_freq, 1.0
     factor, L0 = args.rope_factor, args.original_max_position_embeddings
 
     def corr_dim(rot: float) -> float:   # frequency index that completes `rot` turns over L0 positions
         return dim * math.log(L0 / (rot * 2 * math.pi)) / (2 * math.log(base))
-    low = max(math.floor(corr_dim(args.beta_fast)), 0)
-    high = min(math.ceil(corr_dim(args.beta_slow)), dim - 1)
+    low, high = corr_dim(args.beta_fast), corr_dim(args.beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001                    # avoid a division by zero in the ramp
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp                      # 1: keep the original (high) frequency; 0: interpolate by factor
-    inv_freq = (freq / factor) * (1 - keep) + freq * keep
+    inv_freq = 1.0 / (factor * pos_freq) * (1 - keep) + 1.0 / pos_freq * keep    # [dim/2]
     af = args.rope_attention_factor
     if af is None:
-        if args.mscale and args.mscale_all_dim:
+        if not legacy_amplitude and args.mscale and args.mscale_all_dim:
             af = yarn_mscale(factor, args.mscale) / yarn_mscale(factor, args.mscale_all_dim)
         else:
             af = yarn_mscale(factor)

@@ -509,10 +509,9 @@ def drafter_train_forward(drafter: D.DFlashDrafter, embed, feats: torch.Tensor, 
     block[:, :, 0] = tokens.gather(1, anchors)                                      # slot 0: the real token
     dtype = drafter.fc.weight.dtype
     h = (embed(block.view(B, N)) * a.input_embedding_scale).to(dtype)              # [B, N, D]
-    inv_freq = D.rope_inv_freq(a)[0].to(tokens.device)
     blk_pos = (anchors[:, :, None] + torch.arange(bs, device=tokens.device)).view(B, N)
-    cos_c, sin_c = D.rope_cos_sin(inv_freq, drafter.rope_amp, torch.arange(T, device=tokens.device).expand(B, T), dtype)
-    cos_b, sin_b = D.rope_cos_sin(inv_freq, drafter.rope_amp, blk_pos, dtype)
+    cos_c, sin_c = drafter.rope_cos_sin(torch.arange(T, device=tokens.device).expand(B, T), dtype)
+    cos_b, sin_b = drafter.rope_cos_sin(blk_pos, dtype)
     f = drafter.hidden_norm(drafter.fc(feats.to(dtype)))                            # [B, T, D] context features
     # keys = [context (T) | all blocks (N)]: context strictly before the row's anchor, own block only
     row_anchor = anchors.repeat_interleave(bs, dim=1)                               # [B, N]
@@ -523,7 +522,7 @@ def drafter_train_forward(drafter: D.DFlashDrafter, embed, feats: torch.Tensor, 
     for layer in drafter.layers:
         at = layer.self_attn
         x = layer.input_layernorm(h)
-        q = D.apply_rope(at.q_norm(at.q_proj(x).view(B, N, H, hd)), cos_b, sin_b)   # [B, N, H, hd]
+        q = M.rope(at.q_norm(at.q_proj(x).view(B, N, H, hd)), cos_b, sin_b, interleaved=False)
         k_ctx, v_ctx = at.kv(f, cos_c, sin_c)                                        # [B, T, n_kv, hd]
         k_blk, v_blk = at.kv(x, cos_b, sin_b)                                        # [B, N, n_kv, hd]
         k, v = torch.cat([k_ctx, k_blk], 1), torch.cat([v_ctx, v_blk], 1)

@@ -233,19 +233,31 @@ def test_build_target_layer_ids():
     assert Dr.build_target_layer_ids(61, 1) == [30]
 
 
+def d_amp(a: Dr.DraftArgs) -> float:
+    """The drafter's cos/sin amplitude: cos at position 0."""
+    cos, _ = Dr.DFlashDrafter(a).rope_cos_sin(torch.zeros(1, 1, dtype=torch.long), torch.float32)
+    return cos[0, 0, 0].item()
+
+
 def test_yarn_amplitude_and_frequencies(target):
+    """The drafter's rope is model.py's YaRN over its whole head_dim, on Qwen3's halves, with the
+    legacy amplitude 1 + 0.1 ln(factor) (what the Kimi DFlash checkpoints were trained with)."""
     cfg = Dr.tiny_draft_config(target.args)
-    a = Dr.DraftArgs.from_config(cfg)
-    inv_freq, amp = Dr.rope_inv_freq(a)
-    assert amp == pytest.approx(1 + 0.1 * math.log(8.0))
-    ref_inv, _ = yarn_reference(cfg)
-    assert torch.allclose(inv_freq, ref_inv, rtol=1e-6, atol=0)
-    kimi = dict(cfg, rope_scaling=dict(rope_type="yarn", factor=64.0, original_max_position_embeddings=4096,
-                                       beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
-    assert Dr.rope_inv_freq(Dr.DraftArgs.from_config(kimi))[1] == pytest.approx(1.4158883)
-    explicit = dict(cfg, rope_scaling=dict(cfg["rope_scaling"], attention_factor=1.0))
-    assert Dr.rope_inv_freq(Dr.DraftArgs.from_config(explicit))[1] == 1.0
-    assert Dr.rope_inv_freq(Dr.DraftArgs.from_config(dict(cfg, rope_scaling=None)))[1] == 1.0
+    d = Dr.DFlashDrafter(Dr.DraftArgs.from_config(cfg))
+    ref_inv, ref_amp = yarn_reference(cfg)
+    pos = torch.arange(40).view(1, -1)
+    cos, sin = d.rope_cos_sin(pos, torch.float32)                                   # [1, 40, hd]
+    ang = pos[0, :, None].float() * ref_inv                                          # [40, hd/2]
+    assert torch.equal(cos[0], torch.cat([ang.cos(), ang.cos()], -1) * ref_amp)
+    assert torch.equal(sin[0], torch.cat([-ang.sin(), ang.sin()], -1) * ref_amp)
+    amp = lambda c: d_amp(Dr.DraftArgs.from_config(c))
+    assert amp(cfg) == pytest.approx(1 + 0.1 * math.log(8.0))
+    kimi = dict(cfg, rope_scaling=dict(rope_type="yarn", factor=64.0, beta_fast=32.0, beta_slow=1.0,
+                                       original_max_position_embeddings=4096, mscale=1.0,
+                                       mscale_all_dim=1.0))
+    assert amp(kimi) == pytest.approx(1.4158883)
+    assert amp(dict(cfg, rope_scaling=dict(cfg["rope_scaling"], attention_factor=1.0))) == 1.0
+    assert amp(dict(cfg, rope_scaling=None)) == 1.0
 
 
 # ----------------------------------------------------------------------------------------------
