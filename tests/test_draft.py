@@ -129,6 +129,65 @@ def test_incremental_rounds_match_reference(tmp_path, target, n_shards):
         ctx_len += n_new
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_plain_forward_matches_equations(tmp_path, target, bias):
+    """plain_forward (no cache: context and block K/V concatenated, one attention) == the
+    equations; its mask selects keys: a block that sees only the first 7 context rows == the plain
+    forward over those 7."""
+    cfg, W = make_ckpt(tmp_path, target.args, attention_bias=bias)
+    d = Dr.load_drafter(str(tmp_path), target.args)
+    B, D, bs = 2, cfg["hidden_size"], cfg["block_size"]
+    n_taps = len(cfg["dflash_config"]["target_layer_ids"])
+    feats, blk = randn(B, 12, n_taps * D, seed=2), randn(B, bs, D, seed=3)
+    with torch.no_grad():
+        got = d.plain_forward(blk, feats, 12 + torch.arange(bs).expand(B, bs))
+        ref = ref_drafter(W, cfg, blk, feats)
+        assert err(got, ref) <= TOL, f"plain forward vs equations {err(got, ref):.2e}"
+        pos = 7 + torch.arange(bs).expand(B, bs)
+        keys = torch.cat([torch.arange(12) < 7, torch.ones(bs, dtype=torch.bool)])     # [12 + bs]
+        cut = d.plain_forward(blk, feats[:, :7], pos)
+        assert err(d.plain_forward(blk, feats, pos, keys.expand(B, bs, -1)), cut) <= TOL
+        assert err(cut, got) > 10 * TOL                        # the context matters at this size
+
+
+def test_cached_logits_match_plain_forward(tmp_path, target):
+    """What the decode step runs (draft_logits: the cached forward; rounds of new context rows, then
+    a fixed-shape round with per-row cache lengths and padding rows) == the plain drafter over each
+    row's whole context, to rounding in fp32."""
+    cfg, _ = make_ckpt(tmp_path, target.args)
+    d = loaded(tmp_path, target.args)
+    B, D, bs, V = 2, cfg["hidden_size"], cfg["block_size"], cfg["vocab_size"]
+    n_taps = len(cfg["dflash_config"]["target_layer_ids"])
+    feats = randn(B, 24, n_taps * D, seed=2)
+    last = torch.randint(0, V, (4, B), generator=torch.Generator().manual_seed(5))
+
+    def plain(b: int, n: int, token) -> torch.Tensor:     # row b's logits from its first n rows
+        block = torch.full((1, bs), cfg["dflash_config"]["mask_token_id"])
+        block[0, 0] = token
+        pos = n + torch.arange(bs)[None]                                                # [1, bs]
+        h = d.plain_forward(target.embed_tokens(block), feats[b:b + 1, :n], pos)
+        return target.head(h[:, 1:])[0]                                                 # [bs-1, V]
+
+    def check(got, b, n, token, what):
+        ref = plain(b, n, token)
+        assert err(got[b], ref) <= 1e-5 * ref.abs().max(), f"{what}: {err(got[b], ref):.2e}"
+
+    with torch.no_grad():
+        ctx = 0
+        for r, n_new in enumerate([9, 3, 1]):
+            got = d.draft_logits(target, last[r], feats[:, ctx:ctx + n_new], ctx)  # [B, bs-1, V]
+            ctx += n_new
+            for b in range(B):
+                check(got, b, ctx, last[r, b], f"round {r} row {b}")
+        n_valid, start = torch.tensor([2, 4]), torch.tensor([ctx - 1, ctx])    # row 0 rolls back
+        padded = randn(B, bs, n_taps * D, seed=7) * 100                        # padding: garbage
+        for b in range(B):
+            padded[b, :n_valid[b]] = feats[b, start[b]:start[b] + n_valid[b]]
+        got = d.draft_logits(target, last[3], padded, start, n_valid)
+        for b in range(B):
+            check(got, b, int(start[b] + n_valid[b]), last[3, b], f"fixed-shape row {b}")
+
+
 def test_attention_bias_matches_equations(tmp_path, target):
     """A drafter with attention_bias (Qwen-style q/k/v/o biases) against the equations with them: the q/k/v biases
     share one vector as their weights share one matrix (model.share_rows), added by the one GEMM; after .to() the
