@@ -25,10 +25,10 @@ intermediate rows and of fc's input columns, and only its own kv heads in the co
 would be simpler, but the Kimi drafter is ~3.5B params (6.5 GB bf16), which every draft step would then read in
 full on every GPU; split 8 ways a rank reads ~0.8 GB and pays 2 all-reduces per layer + 1 (DFlashDrafter.forward).
 
-Reading order: DraftArgs; the cached forward's two ops with a fast path (qkv_norm_rope,
-block_attention: plain PyTorch here, one Triton launch each on a GPU, kernels.py); Attention, Layer
-(plain or cached); DFlashDrafter (plain_forward, forward, draft_logits); then the checkpoint I/O
-(config parsing, loader, writer, tiny config). The rotary embedding is model.py's.
+Reading order: DraftArgs; Attention, Layer (plain or cached); DFlashDrafter (plain_forward, forward,
+draft_logits); the cached forward's two ops with a fast path (qkv_norm_rope, block_attention: plain
+PyTorch here, one Triton launch each on a GPU, kernels.py); then the checkpoint I/O (config parsing,
+loader, writer, tiny config). The rotary embedding is model.py's.
 """
 from __future__ import annotations
 
@@ -91,45 +91,6 @@ class DraftArgs:
     @staticmethod
     def from_config(path_or_dict) -> "DraftArgs":
         return _draft_args_from_dict(*C.read_config(path_or_dict, "drafter config"))
-
-
-# ----------------------------------------------------------------------------------------------
-# The cached layer's middle as two ops with a fast path: plain PyTorch here, one Triton launch each
-# on a GPU (@kernels.fast picks it; kernels.py holds the kernels and the conditions they need).
-
-
-@kernels.fast
-def qkv_norm_rope(qkv, n_heads: int, n_kv: int, q_weight, k_weight, eps: float, cos, sin, k_cache, v_cache, slots,
-                  q_start: int, interleaved: bool = False) -> torch.Tensor:
-    """qkv [B, T, (H + 2 KV) hd]: the fused q|k|v projection of T rows. Every row's key, RMS-normed per head
-    (k_norm) and rotated, and its value go to k_cache / v_cache [Bmax, S, KV, hd] at (b, slots[b, t]); returns
-    the queries of rows t >= q_start, q_norm'ed and rotated, [B, T - q_start, H, hd]. cos / sin [B, T, hd]
-    (rope_cos_sin; Qwen3's halves unless interleaved)."""
-    B = qkv.shape[0]
-    q, k, v = qkv.unflatten(-1, (n_heads + 2 * n_kv, -1)).split([n_heads, n_kv, n_kv], dim=2)  # [B, T, heads, hd]
-    rows = torch.arange(B, device=qkv.device)[:, None]                                          # [B, 1]
-    k_cache[rows, slots] = M.rope(M.rms_norm(k, k_weight, eps), cos, sin, interleaved)
-    v_cache[rows, slots] = v
-    return M.rope(M.rms_norm(q[:, q_start:], q_weight, eps), cos[:, q_start:], sin[:, q_start:], interleaved)
-
-
-@kernels.fast
-def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=None) -> torch.Tensor:
-    """The block's attention: q [B, T, H, hd] (the T block tokens' queries), k_cache / v_cache [B, S, KV, hd]
-    (GQA: query head h reads kv head h // (H / KV)); row b sees its keys s < prefix_len[b] + T, the context then
-    the block itself, with no mask -> [B, T, H, hd]. softmax(q k^T * scale) v in fp32 (as flash attention
-    computes it), cast back to q's dtype: two matmuls, the G = H / KV query heads of a kv head stacked as the
-    rows of one. (Not F.scaled_dot_product_attention: with a mask and this few query rows per head it may pick a
-    cuDNN kernel that spreads the little work over few blocks.)"""
-    B, T, H, hd = q.shape
-    S, KV = k_cache.shape[1], k_cache.shape[2]
-    qg = q.float().transpose(1, 2).reshape(B, KV, H // KV * T, hd)                       # [B, KV, G*T, hd]
-    s = torch.matmul(qg, k_cache.float().transpose(1, 2).transpose(-1, -2)) * softmax_scale   # [B, KV, G*T, S]
-    visible = torch.arange(S, device=q.device) < (prefix_len + T)[:, None]             # [B, S]
-    s = s.masked_fill(~visible[:, None, None], float("-inf"))
-    o = torch.matmul(s.softmax(-1), v_cache.float().transpose(1, 2)).view(B, H, T, hd).transpose(1, 2)
-    o = o.to(q.dtype)                                                                   # [B, T, H, hd]
-    return o if out is None else out.copy_(o)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -409,6 +370,45 @@ class DFlashDrafter(nn.Module):
         if a.final_logit_softcapping:
             logits = torch.tanh(logits / a.final_logit_softcapping) * a.final_logit_softcapping
         return logits
+
+
+# ----------------------------------------------------------------------------------------------
+# The cached layer's middle as two ops with a fast path: plain PyTorch here, one Triton launch each
+# on a GPU (@kernels.fast picks it; kernels.py holds the kernels and the conditions they need).
+
+
+@kernels.fast
+def qkv_norm_rope(qkv, n_heads: int, n_kv: int, q_weight, k_weight, eps: float, cos, sin, k_cache, v_cache, slots,
+                  q_start: int, interleaved: bool = False) -> torch.Tensor:
+    """qkv [B, T, (H + 2 KV) hd]: the fused q|k|v projection of T rows. Every row's key, RMS-normed per head
+    (k_norm) and rotated, and its value go to k_cache / v_cache [Bmax, S, KV, hd] at (b, slots[b, t]); returns
+    the queries of rows t >= q_start, q_norm'ed and rotated, [B, T - q_start, H, hd]. cos / sin [B, T, hd]
+    (rope_cos_sin; Qwen3's halves unless interleaved)."""
+    B = qkv.shape[0]
+    q, k, v = qkv.unflatten(-1, (n_heads + 2 * n_kv, -1)).split([n_heads, n_kv, n_kv], dim=2)  # [B, T, heads, hd]
+    rows = torch.arange(B, device=qkv.device)[:, None]                                          # [B, 1]
+    k_cache[rows, slots] = M.rope(M.rms_norm(k, k_weight, eps), cos, sin, interleaved)
+    v_cache[rows, slots] = v
+    return M.rope(M.rms_norm(q[:, q_start:], q_weight, eps), cos[:, q_start:], sin[:, q_start:], interleaved)
+
+
+@kernels.fast
+def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=None) -> torch.Tensor:
+    """The block's attention: q [B, T, H, hd] (the T block tokens' queries), k_cache / v_cache [B, S, KV, hd]
+    (GQA: query head h reads kv head h // (H / KV)); row b sees its keys s < prefix_len[b] + T, the context then
+    the block itself, with no mask -> [B, T, H, hd]. softmax(q k^T * scale) v in fp32 (as flash attention
+    computes it), cast back to q's dtype: two matmuls, the G = H / KV query heads of a kv head stacked as the
+    rows of one. (Not F.scaled_dot_product_attention: with a mask and this few query rows per head it may pick a
+    cuDNN kernel that spreads the little work over few blocks.)"""
+    B, T, H, hd = q.shape
+    S, KV = k_cache.shape[1], k_cache.shape[2]
+    qg = q.float().transpose(1, 2).reshape(B, KV, H // KV * T, hd)                       # [B, KV, G*T, hd]
+    s = torch.matmul(qg, k_cache.float().transpose(1, 2).transpose(-1, -2)) * softmax_scale   # [B, KV, G*T, S]
+    visible = torch.arange(S, device=q.device) < (prefix_len + T)[:, None]             # [B, S]
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    o = torch.matmul(s.softmax(-1), v_cache.float().transpose(1, 2)).view(B, H, T, hd).transpose(1, 2)
+    o = o.to(q.dtype)                                                                   # [B, T, H, hd]
+    return o if out is None else out.copy_(o)
 
 
 # ==============================================================================================
