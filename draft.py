@@ -2,7 +2,7 @@
 draft.py: the DFlash block-diffusion drafter (z-lab, "DFlash: Block Diffusion for Flash Speculative
 Decoding", arXiv 2602.06036), loaded from the public checkpoints (z-lab/Kimi-K2.6-DFlash etc.).
 
-    python -m pytest -q tests/test_draft.py   # drafter == plain equations; incremental == recompute
+    python -m pytest -q tests/test_draft.py   # drafter == plain equations; cached == plain forward
 
 One forward drafts a whole block: the input is [last committed token, MASK x (block_size-1)] embedded
 with the *target's* embedding; every drafter layer attends, non-causally, over K/V projected from fused
@@ -10,7 +10,10 @@ target hidden states ("context features": the outputs of the target layers in ta
 the block's own K/V. The output goes through the *target's* lm_head. The drafter has no embedding and
 no lm_head of its own. Positions: context row j sits at position j, the block at ctx_len + n_new + i.
 
-Invariant: the per-layer context K/V cache filled incrementally (each round appends only the features
+The plain forward (DFlashDrafter.plain_forward) says exactly that: each layer concatenates the
+context's K/V and the block's and runs one masked attention. It is the reference; train.py trains
+through it. The decode step runs the cached forward (DFlashDrafter.forward), equal to it:
+the per-layer context K/V cache filled incrementally (each round appends only the features
 of the tokens committed last round, at slots ctx_len..) equals recomputing it from all context
 features at once. The block's own K/V pass through the slots right after the context (one cache, one
 attention over it, no concatenation) and are overwritten by the next round's context rows. The drafter
@@ -22,16 +25,17 @@ intermediate rows and of fc's input columns, and only its own kv heads in the co
 would be simpler, but the Kimi drafter is ~3.5B params (6.5 GB bf16), which every draft step would then read in
 full on every GPU; split 8 ways a rank reads ~0.8 GB and pays 2 all-reduces per layer + 1 (DFlashDrafter.forward).
 
-Reading order: DraftArgs; rope; the layer's two ops with a fast path (qkv_norm_rope, block_attention: plain
-PyTorch here, one Triton launch each on a GPU, kernels.py); Attention, Layer; DFlashDrafter (forward,
-draft_logits); then the checkpoint I/O (config parsing, loader, writer, tiny config).
+Reading order: DraftArgs; Attention, Layer (plain or cached); DFlashDrafter (plain_forward, forward,
+draft_logits); the cached forward's two ops with a fast path (qkv_norm_rope, block_attention: plain
+PyTorch here, one Triton launch each on a GPU, kernels.py); then the checkpoint I/O (config parsing,
+loader, writer, tiny config). The rotary embedding is model.py's.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -90,87 +94,6 @@ class DraftArgs:
 
 
 # ----------------------------------------------------------------------------------------------
-# Rotary embedding, Qwen3 style: NeoX halves (rotate_half) over the full head_dim.
-
-
-def rope_inv_freq(a: DraftArgs) -> tuple[torch.Tensor, float]:
-    """Return (inv_freq [head_dim/2] fp32, amplitude applied to cos/sin), YaRN computed like transformers."""
-    dim, base = a.head_dim, a.rope_theta
-    pos_freq = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)               # [hd/2]
-    if a.rope_type != "yarn":
-        return 1.0 / pos_freq, 1.0
-
-    def corr_dim(rot: float) -> float:    # frequency index that turns `rot` times over the original length
-        return dim * math.log(a.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(base))
-    low, high = corr_dim(a.beta_fast), corr_dim(a.beta_slow)
-    if a.rope_truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001                      # avoid a division by zero in the ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    inv_freq = (1.0 / (a.rope_factor * pos_freq)) * ramp + (1.0 / pos_freq) * (1 - ramp)
-    # Amplitude: the Kimi DFlash checkpoints were trained with the legacy YaRN amplitude 1 + 0.1 ln(factor)
-    # (1.416 for factor 64). Newer transformers/vLLM derive mscale/mscale_all_dim = 1 from the same config
-    # and lose it, which lowers acceptance (vllm-ascend forces the legacy value). An explicit
-    # rope_scaling.attention_factor in the file still wins.
-    af = a.rope_attention_factor
-    if af is None:
-        af = 1.0 + 0.1 * math.log(a.rope_factor) if a.rope_factor > 1 else 1.0
-    return inv_freq, float(af)
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, amp: float, positions: torch.Tensor, dtype) -> tuple:
-    """positions [B, T] -> cos, sin [B, T, head_dim] for apply_rope: model.rope_cos_sin in Qwen3's halves layout."""
-    return M.rope_cos_sin(inv_freq, amp, positions, dtype, interleaved=False)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, hd]: rotate the pairs (x[i], x[i + hd/2]) (x * cos + rotate_half(x) * sin, bit for bit):
-    model.rope on Qwen3's halves."""
-    return M.rope(x, cos, sin, interleaved=False)
-
-
-# ----------------------------------------------------------------------------------------------
-# The layer's middle as two ops with a fast path: plain PyTorch here, one Triton launch each on a GPU
-# (@kernels.fast picks it; kernels.py holds the kernels and the conditions they need).
-
-
-@kernels.fast
-def qkv_norm_rope(qkv, n_heads: int, n_kv: int, q_weight, k_weight, eps: float, cos, sin, k_cache, v_cache, slots,
-                  q_start: int, interleaved: bool = False) -> torch.Tensor:
-    """qkv [B, T, (H + 2 KV) hd]: the fused q|k|v projection of T rows. Every row's key, RMS-normed per head
-    (k_norm) and rotated, and its value go to k_cache / v_cache [Bmax, S, KV, hd] at (b, slots[b, t]); returns
-    the queries of rows t >= q_start, q_norm'ed and rotated, [B, T - q_start, H, hd]. cos / sin [B, T, hd]
-    (rope_cos_sin; Qwen3's halves unless interleaved)."""
-    B = qkv.shape[0]
-    q, k, v = qkv.unflatten(-1, (n_heads + 2 * n_kv, -1)).split([n_heads, n_kv, n_kv], dim=2)  # [B, T, heads, hd]
-    rows = torch.arange(B, device=qkv.device)[:, None]                                          # [B, 1]
-    k_cache[rows, slots] = M.rope(M.rms_norm(k, k_weight, eps), cos, sin, interleaved)
-    v_cache[rows, slots] = v
-    return M.rope(M.rms_norm(q[:, q_start:], q_weight, eps), cos[:, q_start:], sin[:, q_start:], interleaved)
-
-
-@kernels.fast
-def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=None) -> torch.Tensor:
-    """The block's attention: q [B, T, H, hd] (the T block tokens' queries), k_cache / v_cache [B, S, KV, hd]
-    (GQA: query head h reads kv head h // (H / KV)); row b sees its keys s < prefix_len[b] + T, the context then
-    the block itself, with no mask -> [B, T, H, hd]. softmax(q k^T * scale) v in fp32 (as flash attention
-    computes it), cast back to q's dtype: two matmuls, the G = H / KV query heads of a kv head stacked as the
-    rows of one. (Not F.scaled_dot_product_attention: with a mask and this few query rows per head it may pick a
-    cuDNN kernel that spreads the little work over few blocks.)"""
-    B, T, H, hd = q.shape
-    S, KV = k_cache.shape[1], k_cache.shape[2]
-    qg = q.float().transpose(1, 2).reshape(B, KV, H // KV * T, hd)                       # [B, KV, G*T, hd]
-    s = torch.matmul(qg, k_cache.float().transpose(1, 2).transpose(-1, -2)) * softmax_scale   # [B, KV, G*T, S]
-    visible = torch.arange(S, device=q.device) < (prefix_len + T)[:, None]             # [B, S]
-    s = s.masked_fill(~visible[:, None, None], float("-inf"))
-    o = torch.matmul(s.softmax(-1), v_cache.float().transpose(1, 2)).view(B, H, T, hd).transpose(1, 2)
-    o = o.to(q.dtype)                                                                   # [B, T, H, hd]
-    return o if out is None else out.copy_(o)
-
-
-# ----------------------------------------------------------------------------------------------
 # Layers, tensor-parallel like model.py: q/k/v_proj and gate/up_proj column-parallel (whole heads, slices of
 # the intermediate rows), o_proj, down_proj and fc row-parallel, each followed by an all_reduce at its call
 # site (only when world_size > 1). Norms and rope are replicated. The MLP is model.DenseMLP itself.
@@ -214,29 +137,59 @@ class Attention(M.SharesRows):
         self.share()                             # qkv_weight [(H + 2 KV) hd / ws, D], qkv_bias (or None)
 
     def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, D] -> roped K, V [B, T, n_kv, hd]: the plain equations (the prompt's context rows, training).
-        The same projections serve the context features (fused target hiddens, no input_layernorm) and the block
-        hidden states ("KV injection"); forward does both for all rows at once."""
+        """x [B, T, D] -> roped K, V [B, T, n_kv, hd] of context rows alone (append_context)."""
         B, T, _ = x.shape
-        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd)), cos, sin)
-        return k, self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd))            # [B, T, KV, hd]
+        return M.rope(k, cos, sin, interleaved=False), self.v_proj(x).view(B, T, self.n_kv, self.hd)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, slots, prefix, n_ctx: int, S: int) -> torch.Tensor:
-        """x [B, n_ctx + bs, D]: the new context rows (fused target features), then the block's rows
-        (input_layernorm'ed); cos / sin [B, n_ctx + bs, hd] and slots [B, n_ctx + bs]: their rope positions and
-        cache slots. Every row's K/V goes to this layer's k_cache / v_cache [Bmax, slots, n_kv, hd]; then the block's
-        queries attend over row b's first prefix[b] + bs slots (of S): the context, then the block itself, which
-        sits at prefix[b] ... -> [B, bs, D]. One GEMM, qkv_norm_rope, block_attention and o_proj."""
-        B = x.shape[0]
+    def forward(self, x, f, cos, sin, mask=None, cache: BlockCache | None = None) -> torch.Tensor:
+        """x [B, N, D]: the block's rows (input_layernorm'ed); f [B, n, D]: context rows (fused
+        target features, no norm); cos / sin [B, n + N, hd]: their rope angles, context first.
+        The same q/k/v projections serve both ("KV injection"); the block's queries attend over
+        the K/V of [f | x] -> [B, N, D].
+        cache None: one attention over the concatenated K/V, block row i seeing the keys
+          mask[b, i] ([B, N, n + N] bool; None: all of them): the plain drafter (plain_forward).
+        cache: every row's K/V goes to the cache at cache.slots, then the block reads its first
+          prefix + N slots (qkv_norm_rope and block_attention, one kernel each on a GPU)."""
+        B, n = x.shape[0], f.shape[1]
+        x = torch.cat([f, x], 1)                                                # [B, n + N, D]
         qkv = M.linear_rows(x, self.qkv_weight, self.q_proj, self.k_proj, self.v_proj, split=False,
-                            bias=self.qkv_bias)                                           # [B, N, (H+2KV) hd]
-        q = qkv_norm_rope(qkv, self.n_heads, self.n_kv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                          cos, sin, k_cache, v_cache, slots, q_start=n_ctx)              # [B, bs, H, hd]
-        o = block_attention(q, k_cache[:B, :S], v_cache[:B, :S], prefix, self.hd ** -0.5)  # [B, bs, H, hd]
-        y = self.o_proj(o.flatten(2))                                                      # [B, bs, D]
+                            bias=self.qkv_bias)                             # [B, n+N, (H+2KV) hd]
+        if cache is None:
+            o = self._plain_attention(qkv, cos, sin, mask, n)                   # [B, N, H, hd]
+        else:
+            k_cache, v_cache = cache.kv                                     # [Bmax, slots, KV, hd]
+            q = qkv_norm_rope(qkv, self.n_heads, self.n_kv, self.q_norm.weight, self.k_norm.weight,
+                              self.q_norm.eps, cos, sin, k_cache, v_cache, cache.slots,
+                              q_start=n)                                        # [B, N, H, hd]
+            S = cache.S
+            o = block_attention(q, k_cache[:B, :S], v_cache[:B, :S], cache.prefix,
+                                self.hd ** -0.5)                                # [B, N, H, hd]
+        y = self.o_proj(o.flatten(2))                                           # [B, N, D]
         if M.world_size > 1:
             dist.all_reduce(y)                  # o_proj is row-parallel: sum the heads' partial outputs
         return y
+
+    def _plain_attention(self, qkv, cos, sin, mask, n: int) -> torch.Tensor:
+        """The equations: per-head q_norm / k_norm, rope, GQA softmax attention of the block's
+        queries (rows >= n) over every row's keys -> [B, N, H, hd]."""
+        heads = (self.n_heads, self.n_kv, self.n_kv)
+        q, k, v = qkv.unflatten(-1, (sum(heads), self.hd)).split(heads, 2)   # [B, n+N, heads, hd]
+        q = self.q_norm(q[:, n:])                                     # [B, N, H, hd]: the block's
+        q = M.rope(q, cos[:, n:], sin[:, n:], interleaved=False)
+        k = M.rope(self.k_norm(k), cos, sin, interleaved=False)                 # [B, n+N, KV, hd]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=None if mask is None else mask[:, None],
+                                           scale=self.hd ** -0.5, enable_gqa=True)
+        return o.transpose(1, 2)
+
+
+class BlockCache(NamedTuple):
+    """What a cached forward's layer needs beyond its inputs (DFlashDrafter.forward builds it)."""
+    kv: torch.Tensor        # this layer's cache [2 (K, V), Bmax, slots, n_kv, hd]
+    slots: torch.Tensor     # [B, n + N]: each row's cache slot (= its rope position)
+    prefix: torch.Tensor    # [B]: the context rows the block sees, its own slots right after them
+    S: int                  # cache slots the attention reads (the rest of each row stays unread)
 
 
 class Layer(nn.Module):
@@ -247,14 +200,12 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = M.DenseMLP(a.hidden_size, a.intermediate_size)   # Qwen3's SwiGLU is the target's dense MLP
 
-    def forward(self, h, r, f, cos, sin, k_cache, v_cache, slots, prefix, S: int) -> tuple:
-        """h [B, bs, D]: the block's residual stream, r: the previous layer's MLP output not yet added to it (None
-        in the first layer: the add and this layer's input_layernorm are one launch). f [B, n_ctx, D]: the new
-        context rows. Returns (h, this layer's MLP output); see Attention.forward for the rest."""
-        h, x = (h, self.input_layernorm(h)) if r is None else self.input_layernorm.add(h, r)
-        attn = self.self_attn(torch.cat([f, x], 1), cos, sin, k_cache, v_cache, slots, prefix, f.shape[1], S)
-        h, x = self.post_attention_layernorm.add(h, attn)                  # h + attn and its norm, one launch
-        return h, self.mlp(x)
+    def forward(self, h, f, cos, sin, mask=None, cache: BlockCache | None = None) -> torch.Tensor:
+        """h [B, N, D]: the block's residual stream; f [B, n, D]: the context rows (see
+        Attention.forward)."""
+        attn = self.self_attn(self.input_layernorm(h), f, cos, sin, mask, cache)
+        h, x = self.post_attention_layernorm.add(h, attn)                  # h + attn and its norm
+        return h + self.mlp(x)
 
 
 class DFlashDrafter(nn.Module):
@@ -272,11 +223,41 @@ class DFlashDrafter(nn.Module):
         self.max_ctx_len = 0
         self.rope_cos = self.rope_sin = None    # [slots, hd] in the weights' dtype, set by setup_cache
         self.ids = None          # 0, 1, 2, ...: slices of it are the step's slot and row numbers (no arange kernels)
-        self.rope_amp = rope_inv_freq(args)[1]
 
     block_size = property(lambda self: self.args.block_size)
     mask_token_id = property(lambda self: self.args.mask_token_id)
     target_layer_ids = property(lambda self: list(self.args.target_layer_ids))
+
+    def plain_forward(self, block_embeds: torch.Tensor, ctx_feats: torch.Tensor,
+                      positions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The DFlash drafter as its equations, no cache. block_embeds [B, N, D] at rope positions
+        positions [B, N]; ctx_feats [B, n, n_taps*D]: the context's features, at positions 0 .. n-1.
+        Each layer projects K/V from the context rows and the block rows, concatenates them and runs
+        one attention in which block row i sees the keys mask[b, i] ([B, N, n + N] bool; None: all
+        of them, one block after the whole context) -> normalized hidden states [B, N, D].
+        The reference: forward (the cached step) equals it; train.py trains through it (many blocks
+        per sequence, each masked to its own)."""
+        B, n = block_embeds.shape[0], ctx_feats.shape[1]
+        dtype = self.fc.weight.dtype
+        ctx_pos = torch.arange(n, device=positions.device).expand(B, n)                 # [B, n]
+        cos, sin = self.rope_cos_sin(torch.cat([ctx_pos, positions], 1), dtype)      # [B, n+N, hd]
+        f = self.fuse(ctx_feats)                                                         # [B, n, D]
+        h = block_embeds.to(dtype)                                                       # [B, N, D]
+        for layer in self.layers:
+            h = layer(h, f, cos, sin, mask)
+        return self.norm(h)
+
+    def rope_cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, T, head_dim]: model.py's YaRN over the whole head, on
+        Qwen3's halves. Amplitude: the Kimi DFlash checkpoints were trained with the legacy YaRN
+        amplitude 1 + 0.1 ln(factor) (1.416 for factor 64). Newer transformers/vLLM derive
+        mscale/mscale_all_dim = 1 from the same config and lose it, which lowers acceptance
+        (vllm-ascend forces the legacy value). An explicit rope_scaling.attention_factor in the
+        file still wins."""
+        a = self.args
+        inv_freq, amp = M.rope_inv_freq(a, a.head_dim, a.rope_truncate,
+                                        legacy_amplitude=True)                       # [hd/2] fp32
+        return M.rope_cos_sin(inv_freq, amp, positions, dtype, interleaved=False)
 
     @staticmethod
     def cache_shape(a: DraftArgs, max_batch_size: int, max_ctx_len: int, n_kv: int) -> tuple[int, ...]:
@@ -293,12 +274,11 @@ class DFlashDrafter(nn.Module):
         shape = self.cache_shape(a, max_batch_size, max_ctx_len, self.layers[0].self_attn.n_kv)
         S = shape[3]
         self.ctx_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)                # [layers, K/V, B, S, KV, hd]
-        inv_freq = rope_inv_freq(a)[0].to(w.device)         # [hd/2] fp32 (computed here, so .to(bf16) can't round it)
         self.ids = torch.arange(max(max_batch_size, S), device=w.device)
         # cos / sin of every slot's position (a row's slot is its position), computed once: a forward gathers its
         # rows' instead of recomputing them (the same elementwise ops, so the same values; 2 launches, not ~11)
-        self.rope_cos, self.rope_sin = (t[0] for t in rope_cos_sin(inv_freq, self.rope_amp, self.ids[None, :S],
-                                                                   w.dtype))             # [S, hd] each
+        cos, sin = self.rope_cos_sin(self.ids[None, :S], w.dtype)                    # [1, S, hd]
+        self.rope_cos, self.rope_sin = cos[0], sin[0]                                # [S, hd] each
 
     def _check_room(self, ctx_len: int, n_new: int) -> None:
         if ctx_len + n_new > self.max_ctx_len:
@@ -353,10 +333,10 @@ class DFlashDrafter(nn.Module):
         dtype = self.fc.weight.dtype
         cos, sin = self.rope_cos[slots], self.rope_sin[slots]                             # [B, n_new + bs, hd]
         f = self.fuse(ctx_feats)                                                          # [B, n_new, D]
-        h, r = block_embeds.to(dtype), None
+        h = block_embeds.to(dtype)                                                   # [B, bs, D]
         for i, layer in enumerate(self.layers):
-            h, r = layer(h, r, f, cos, sin, self.ctx_cache[i, 0], self.ctx_cache[i, 1], slots, live, S)
-        return self.norm.add(h, r)[1]
+            h = layer(h, f, cos, sin, cache=BlockCache(self.ctx_cache[i], slots, live, S))
+        return self.norm(h)
 
     @torch.no_grad()
     def append_context(self, ctx_feats: torch.Tensor, ctx_len: int, row: int = 0) -> None:
@@ -390,6 +370,45 @@ class DFlashDrafter(nn.Module):
         if a.final_logit_softcapping:
             logits = torch.tanh(logits / a.final_logit_softcapping) * a.final_logit_softcapping
         return logits
+
+
+# ----------------------------------------------------------------------------------------------
+# The cached layer's middle as two ops with a fast path: plain PyTorch here, one Triton launch each
+# on a GPU (@kernels.fast picks it; kernels.py holds the kernels and the conditions they need).
+
+
+@kernels.fast
+def qkv_norm_rope(qkv, n_heads: int, n_kv: int, q_weight, k_weight, eps: float, cos, sin, k_cache, v_cache, slots,
+                  q_start: int, interleaved: bool = False) -> torch.Tensor:
+    """qkv [B, T, (H + 2 KV) hd]: the fused q|k|v projection of T rows. Every row's key, RMS-normed per head
+    (k_norm) and rotated, and its value go to k_cache / v_cache [Bmax, S, KV, hd] at (b, slots[b, t]); returns
+    the queries of rows t >= q_start, q_norm'ed and rotated, [B, T - q_start, H, hd]. cos / sin [B, T, hd]
+    (rope_cos_sin; Qwen3's halves unless interleaved)."""
+    B = qkv.shape[0]
+    q, k, v = qkv.unflatten(-1, (n_heads + 2 * n_kv, -1)).split([n_heads, n_kv, n_kv], dim=2)  # [B, T, heads, hd]
+    rows = torch.arange(B, device=qkv.device)[:, None]                                          # [B, 1]
+    k_cache[rows, slots] = M.rope(M.rms_norm(k, k_weight, eps), cos, sin, interleaved)
+    v_cache[rows, slots] = v
+    return M.rope(M.rms_norm(q[:, q_start:], q_weight, eps), cos[:, q_start:], sin[:, q_start:], interleaved)
+
+
+@kernels.fast
+def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=None) -> torch.Tensor:
+    """The block's attention: q [B, T, H, hd] (the T block tokens' queries), k_cache / v_cache [B, S, KV, hd]
+    (GQA: query head h reads kv head h // (H / KV)); row b sees its keys s < prefix_len[b] + T, the context then
+    the block itself, with no mask -> [B, T, H, hd]. softmax(q k^T * scale) v in fp32 (as flash attention
+    computes it), cast back to q's dtype: two matmuls, the G = H / KV query heads of a kv head stacked as the
+    rows of one. (Not F.scaled_dot_product_attention: with a mask and this few query rows per head it may pick a
+    cuDNN kernel that spreads the little work over few blocks.)"""
+    B, T, H, hd = q.shape
+    S, KV = k_cache.shape[1], k_cache.shape[2]
+    qg = q.float().transpose(1, 2).reshape(B, KV, H // KV * T, hd)                       # [B, KV, G*T, hd]
+    s = torch.matmul(qg, k_cache.float().transpose(1, 2).transpose(-1, -2)) * softmax_scale   # [B, KV, G*T, S]
+    visible = torch.arange(S, device=q.device) < (prefix_len + T)[:, None]             # [B, S]
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    o = torch.matmul(s.softmax(-1), v_cache.float().transpose(1, 2)).view(B, H, T, hd).transpose(1, 2)
+    o = o.to(q.dtype)                                                                   # [B, T, H, hd]
+    return o if out is None else out.copy_(o)
 
 
 # ==============================================================================================

@@ -309,7 +309,6 @@ ATTN_SPLITS = dict(max_splits=256, min_split_len=128, waves=2)
 # from min_rows query rows (T x local heads): 64-row blocks, so fewer blocks re-read the cache through L2
 ATTN_WIDE = dict(min_rows=512, BLOCK_Q=64, BLOCK_S=64, num_warps=8, num_stages=2, waves=1)
 ATTN_MERGE = dict(elements=16384, num_warps=4)   # the merge: BLOCK_R latent columns x every split ~ `elements`
-MASK_WORD_BITS = 64     # tree slots per packed mask row (one int64 word): the widest verify the kernel takes
 
 
 @triton.jit
@@ -418,10 +417,12 @@ def _merge_splits(o_part, lse_part, prefix_len, out, T: int, H: int, MIN_SPLIT: 
 
 
 def _mla_attention_fits(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=None):
+    # the mask packed, one word per row (model.tree_mask_bits): T slots must fit a word's bits
     B, T, H, R = q_lat.shape
-    return (_gpu(q_lat) and T <= MASK_WORD_BITS and _pow2(R, 16) and _pow2(q_pe.shape[-1], 16) and q_lat.stride(-1) == 1
+    return (_gpu(q_lat) and _pow2(R, 16) and _pow2(q_pe.shape[-1], 16) and q_lat.stride(-1) == 1
             and q_lat.dtype == q_pe.dtype == cache.dtype and cache.shape[0] >= B and cache.is_contiguous()
-            and isinstance(prefix_len, torch.Tensor) and tree_mask.dtype == torch.int64
+            and isinstance(prefix_len, torch.Tensor)
+            and tree_mask.dtype == torch.int64 and T <= 8 * tree_mask.element_size()
             and (out is None or out.is_contiguous()))
 
 
@@ -1401,7 +1402,9 @@ def ddtree_search(lp, tok, roots, budget):
         lp.stride(0), lp.stride(1), tok.stride(0), tok.stride(1), L, K, budget,
         NODES=triton.next_power_of_2(N), PARENTS=triton.next_power_of_2(budget),
         SLOTS=triton.next_power_of_2(2 * budget), num_warps=1)
-    return tokens, parents, depths, scores, valid, mask, (bits if N <= MASK_WORD_BITS else None)
+    # rows packed one word each (model.MASK_WORD_BITS: the bits of `bits`' int64) when N slots fit
+    packed = bits if N <= 8 * bits.element_size() else None
+    return tokens, parents, depths, scores, valid, mask, packed
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -255,33 +255,41 @@ class RMSNorm(nn.Module):
 
 # ----------------------------------------------------------------------------------------------
 # Rotary embedding: YaRN frequencies exactly as transformers computes them, applied to interleaved
-# pairs (x[2i], x[2i+1]) as the DeepSeek/Kimi checkpoints expect.
+# pairs (x[2i], x[2i+1]) as the DeepSeek/Kimi checkpoints expect. The drafter (draft.py) uses the
+# same three functions over its whole head_dim, on Qwen3's halves (interleaved=False).
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
-    """Return (inv_freq [rope_dim/2] fp32, attention_factor applied to cos/sin)."""
-    dim, base = args.qk_rope_head_dim, args.rope_theta
-    freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))   # [dim/2]
+def rope_inv_freq(args, dim: int | None = None, truncate: bool = True,
+                  legacy_amplitude: bool = False) -> tuple[torch.Tensor, float]:
+    """Return (inv_freq [dim/2] fp32, attention_factor applied to cos/sin). args: a ModelArgs, or
+    the drafter's DraftArgs (the same rope fields); dim: the rotated width (default
+    qk_rope_head_dim); truncate: round the YaRN ramp's ends to whole indices (transformers'
+    default); legacy_amplitude: ignore mscale / mscale_all_dim, attention_factor = 1 + 0.1
+    ln(factor) (the drafter's)."""
+    dim, base = dim or args.qk_rope_head_dim, args.rope_theta
+    pos_freq = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)        # [dim/2]
     if args.rope_type != "yarn":
-        return freq, 1.0
+        return 1.0 / pos_freq, 1.0
     factor, L0 = args.rope_factor, args.original_max_position_embeddings
 
     def corr_dim(rot: float) -> float:   # frequency index that completes `rot` turns over L0 positions
         return dim * math.log(L0 / (rot * 2 * math.pi)) / (2 * math.log(base))
-    low = max(math.floor(corr_dim(args.beta_fast)), 0)
-    high = min(math.ceil(corr_dim(args.beta_slow)), dim - 1)
+    low, high = corr_dim(args.beta_fast), corr_dim(args.beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001                    # avoid a division by zero in the ramp
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp                      # 1: keep the original (high) frequency; 0: interpolate by factor
-    inv_freq = (freq / factor) * (1 - keep) + freq * keep
+    inv_freq = 1.0 / (factor * pos_freq) * (1 - keep) + 1.0 / pos_freq * keep    # [dim/2]
     af = args.rope_attention_factor
     if af is None:
-        if args.mscale and args.mscale_all_dim:
+        if not legacy_amplitude and args.mscale and args.mscale_all_dim:
             af = yarn_mscale(factor, args.mscale) / yarn_mscale(factor, args.mscale_all_dim)
         else:
             af = yarn_mscale(factor)
@@ -407,10 +415,11 @@ class MLA(SharesRows):
             # transformers: the YaRN mscale enters the softmax scale squared (q and k each carry one factor)
             self.softmax_scale *= yarn_mscale(args.rope_factor, args.mscale_all_dim) ** 2
 
-    def forward(self, x, cos, sin, cache=None, start_pos=None, tree_mask=None, absorb=False, slots=None):
-        """x [B, T, D]. cache: this layer's [Bmax, S, R+P] slice or None (no cache: causal attention over x).
-        start_pos: int or LongTensor [B] = slot of the first new token. tree_mask [B, T, T] bool or None (causal);
-        the absorbed path also takes it packed, [B, T] int64 (tree_mask_bits).
+    def forward(self, x, cos, sin, cache, start_pos, tree_mask, absorb=False, slots=None):
+        """x [B, T, D]. cache: this layer's [Bmax, S, R+P] slice or None (no cache: attention over
+        x alone). start_pos: int or LongTensor [B] = slot of the first new token. tree_mask
+        [B, T, T] bool: what the new tokens see among themselves (Transformer.forward makes the
+        causal default); the absorbed path also takes it packed, [B, T] int64 (tree_mask_bits).
         slots [B, T]: the new tokens' cache slots, start_pos + [0, T) (Transformer computes them once)."""
         B, T, _ = x.shape
         q_a, kv = linear_rows(x, self.q_kv_a_weight, self.q_a_proj, self.kv_a_proj_with_mqa)  # [B, T, q_lora], [B, T, R+P]
@@ -420,14 +429,11 @@ class MLA(SharesRows):
 
         if cache is None:
             latent = mla_latent(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin)  # [B, T, R+P]
-            mask = tree_mask if tree_mask is not None else _causal(T, x.device).expand(B, T, T)
-            o = self._naive(q_nope, q_pe, latent, mask)
+            o = self._naive(q_nope, q_pe, latent, tree_mask)
         else:
             if slots is None:
                 slots = _slots(start_pos, B, T, x.device)                                      # [B, T]
             mla_latent_to_cache(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, cache, slots)
-            if tree_mask is None:
-                tree_mask = _causal(T, x.device).expand(B, T, T)
             if absorb:
                 o = self._absorbed(q_nope, q_pe, cache[:B], start_pos, tree_mask)
             else:
@@ -472,10 +478,6 @@ class MLA(SharesRows):
         torch.bmm(o_lat.reshape(B * T, self.n_heads, -1).transpose(0, 1), wkv_b[:, self.nope:].transpose(1, 2),
                   out=o.view(B * T, self.n_heads, self.v_dim).transpose(0, 1))
         return o
-
-
-def _causal(T: int, device) -> torch.Tensor:
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()                          # [T, T]
 
 
 def _slots(start_pos, B: int, T: int, device) -> torch.Tensor:
@@ -757,8 +759,9 @@ class Transformer(nn.Module):
             # does; so does a tensor start_pos (graph-captured steps: fixed shapes). Long prefills go naive.
             absorb = start_pos is not None and (T <= ABSORB_MAX_T or tree_mask is not None
                                                 or not isinstance(start_pos, int))
-        if tree_mask is None:      # causal; built once here rather than in every layer
-            tree_mask = _causal(T, tokens.device).expand(B, T, T)
+        if tree_mask is None:      # causal: built once per forward, for every layer
+            tree_mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()   # [T, T]
+            tree_mask = tree_mask.expand(B, T, T)
         packed = tree_mask.dtype == torch.int64      # rows packed by the tree search (tree.Tree.mask_bits)
         if absorb and T <= MASK_WORD_BITS and not packed:   # absorbed attention takes each row packed in a word:
             tree_mask = tree_mask_bits(tree_mask)           # pack once per forward  [B, T] int64

@@ -499,39 +499,24 @@ def drafter_config(p: dict, target_args: M.ModelArgs, num_base: int) -> dict:
 
 def drafter_train_forward(drafter: D.DFlashDrafter, embed, feats: torch.Tensor, tokens: torch.Tensor,
                           anchors: torch.Tensor) -> torch.Tensor:
-    """All blocks of a batch in one pass. feats [B, T, n_taps*D] (target taps for tokens [B, T]), anchors [B, A]
-    -> normalized block hidden states [B, A, bs, D], each equal to DFlashDrafter.forward at that anchor."""
+    """All blocks of a batch in one pass of the plain drafter (DFlashDrafter.plain_forward).
+    feats [B, T, n_taps*D] (target taps for tokens [B, T]), anchors [B, A] -> normalized block
+    hidden states [B, A, bs, D], each equal to DFlashDrafter.forward at that anchor."""
     a = drafter.args
     B, T = tokens.shape
-    A, bs, H, hd = anchors.shape[1], a.block_size, a.num_attention_heads, a.head_dim
+    A, bs = anchors.shape[1], a.block_size
     N = A * bs                                                                       # block rows per sequence
     block = torch.full((B, A, bs), a.mask_token_id, dtype=torch.long, device=tokens.device)
     block[:, :, 0] = tokens.gather(1, anchors)                                      # slot 0: the real token
-    dtype = drafter.fc.weight.dtype
-    h = (embed(block.view(B, N)) * a.input_embedding_scale).to(dtype)              # [B, N, D]
-    inv_freq = D.rope_inv_freq(a)[0].to(tokens.device)
+    x = embed(block.view(B, N)) * a.input_embedding_scale                           # [B, N, D]
     blk_pos = (anchors[:, :, None] + torch.arange(bs, device=tokens.device)).view(B, N)
-    cos_c, sin_c = D.rope_cos_sin(inv_freq, drafter.rope_amp, torch.arange(T, device=tokens.device).expand(B, T), dtype)
-    cos_b, sin_b = D.rope_cos_sin(inv_freq, drafter.rope_amp, blk_pos, dtype)
-    f = drafter.hidden_norm(drafter.fc(feats.to(dtype)))                            # [B, T, D] context features
     # keys = [context (T) | all blocks (N)]: context strictly before the row's anchor, own block only
     row_anchor = anchors.repeat_interleave(bs, dim=1)                               # [B, N]
     see_ctx = torch.arange(T, device=tokens.device) < row_anchor[:, :, None]        # [B, N, T]
     blk = torch.arange(A, device=tokens.device).repeat_interleave(bs)               # [N]
     see_blk = (blk[:, None] == blk[None, :]).expand(B, N, N)                        # [B, N, N]
-    mask = torch.cat([see_ctx, see_blk], dim=-1)[:, None]                           # [B, 1, N, T+N]
-    for layer in drafter.layers:
-        at = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = D.apply_rope(at.q_norm(at.q_proj(x).view(B, N, H, hd)), cos_b, sin_b)   # [B, N, H, hd]
-        k_ctx, v_ctx = at.kv(f, cos_c, sin_c)                                        # [B, T, n_kv, hd]
-        k_blk, v_blk = at.kv(x, cos_b, sin_b)                                        # [B, N, n_kv, hd]
-        k, v = torch.cat([k_ctx, k_blk], 1), torch.cat([v_ctx, v_blk], 1)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                           scale=hd ** -0.5, enable_gqa=True)
-        h = h + at.o_proj(o.transpose(1, 2).flatten(2))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return drafter.norm(h).view(B, A, bs, -1)
+    mask = torch.cat([see_ctx, see_blk], dim=-1)                                    # [B, N, T+N]
+    return drafter.plain_forward(x, feats, blk_pos, mask).view(B, A, bs, -1)
 
 
 def sample_anchors(B: int, T: int, A: int, bs: int, gen: torch.Generator) -> torch.Tensor:

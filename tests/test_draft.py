@@ -129,6 +129,65 @@ def test_incremental_rounds_match_reference(tmp_path, target, n_shards):
         ctx_len += n_new
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_plain_forward_matches_equations(tmp_path, target, bias):
+    """plain_forward (no cache: context and block K/V concatenated, one attention) == the
+    equations; its mask selects keys: a block that sees only the first 7 context rows == the plain
+    forward over those 7."""
+    cfg, W = make_ckpt(tmp_path, target.args, attention_bias=bias)
+    d = Dr.load_drafter(str(tmp_path), target.args)
+    B, D, bs = 2, cfg["hidden_size"], cfg["block_size"]
+    n_taps = len(cfg["dflash_config"]["target_layer_ids"])
+    feats, blk = randn(B, 12, n_taps * D, seed=2), randn(B, bs, D, seed=3)
+    with torch.no_grad():
+        got = d.plain_forward(blk, feats, 12 + torch.arange(bs).expand(B, bs))
+        ref = ref_drafter(W, cfg, blk, feats)
+        assert err(got, ref) <= TOL, f"plain forward vs equations {err(got, ref):.2e}"
+        pos = 7 + torch.arange(bs).expand(B, bs)
+        keys = torch.cat([torch.arange(12) < 7, torch.ones(bs, dtype=torch.bool)])     # [12 + bs]
+        cut = d.plain_forward(blk, feats[:, :7], pos)
+        assert err(d.plain_forward(blk, feats, pos, keys.expand(B, bs, -1)), cut) <= TOL
+        assert err(cut, got) > 10 * TOL                        # the context matters at this size
+
+
+def test_cached_logits_match_plain_forward(tmp_path, target):
+    """What the decode step runs (draft_logits: the cached forward; rounds of new context rows, then
+    a fixed-shape round with per-row cache lengths and padding rows) == the plain drafter over each
+    row's whole context, to rounding in fp32."""
+    cfg, _ = make_ckpt(tmp_path, target.args)
+    d = loaded(tmp_path, target.args)
+    B, D, bs, V = 2, cfg["hidden_size"], cfg["block_size"], cfg["vocab_size"]
+    n_taps = len(cfg["dflash_config"]["target_layer_ids"])
+    feats = randn(B, 24, n_taps * D, seed=2)
+    last = torch.randint(0, V, (4, B), generator=torch.Generator().manual_seed(5))
+
+    def plain(b: int, n: int, token) -> torch.Tensor:     # row b's logits from its first n rows
+        block = torch.full((1, bs), cfg["dflash_config"]["mask_token_id"])
+        block[0, 0] = token
+        pos = n + torch.arange(bs)[None]                                                # [1, bs]
+        h = d.plain_forward(target.embed_tokens(block), feats[b:b + 1, :n], pos)
+        return target.head(h[:, 1:])[0]                                                 # [bs-1, V]
+
+    def check(got, b, n, token, what):
+        ref = plain(b, n, token)
+        assert err(got[b], ref) <= 1e-5 * ref.abs().max(), f"{what}: {err(got[b], ref):.2e}"
+
+    with torch.no_grad():
+        ctx = 0
+        for r, n_new in enumerate([9, 3, 1]):
+            got = d.draft_logits(target, last[r], feats[:, ctx:ctx + n_new], ctx)  # [B, bs-1, V]
+            ctx += n_new
+            for b in range(B):
+                check(got, b, ctx, last[r, b], f"round {r} row {b}")
+        n_valid, start = torch.tensor([2, 4]), torch.tensor([ctx - 1, ctx])    # row 0 rolls back
+        padded = randn(B, bs, n_taps * D, seed=7) * 100                        # padding: garbage
+        for b in range(B):
+            padded[b, :n_valid[b]] = feats[b, start[b]:start[b] + n_valid[b]]
+        got = d.draft_logits(target, last[3], padded, start, n_valid)
+        for b in range(B):
+            check(got, b, int(start[b] + n_valid[b]), last[3, b], f"fixed-shape row {b}")
+
+
 def test_attention_bias_matches_equations(tmp_path, target):
     """A drafter with attention_bias (Qwen-style q/k/v/o biases) against the equations with them: the q/k/v biases
     share one vector as their weights share one matrix (model.share_rows), added by the one GEMM; after .to() the
@@ -233,19 +292,31 @@ def test_build_target_layer_ids():
     assert Dr.build_target_layer_ids(61, 1) == [30]
 
 
+def d_amp(a: Dr.DraftArgs) -> float:
+    """The drafter's cos/sin amplitude: cos at position 0."""
+    cos, _ = Dr.DFlashDrafter(a).rope_cos_sin(torch.zeros(1, 1, dtype=torch.long), torch.float32)
+    return cos[0, 0, 0].item()
+
+
 def test_yarn_amplitude_and_frequencies(target):
+    """The drafter's rope is model.py's YaRN over its whole head_dim, on Qwen3's halves, with the
+    legacy amplitude 1 + 0.1 ln(factor) (what the Kimi DFlash checkpoints were trained with)."""
     cfg = Dr.tiny_draft_config(target.args)
-    a = Dr.DraftArgs.from_config(cfg)
-    inv_freq, amp = Dr.rope_inv_freq(a)
-    assert amp == pytest.approx(1 + 0.1 * math.log(8.0))
-    ref_inv, _ = yarn_reference(cfg)
-    assert torch.allclose(inv_freq, ref_inv, rtol=1e-6, atol=0)
-    kimi = dict(cfg, rope_scaling=dict(rope_type="yarn", factor=64.0, original_max_position_embeddings=4096,
-                                       beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
-    assert Dr.rope_inv_freq(Dr.DraftArgs.from_config(kimi))[1] == pytest.approx(1.4158883)
-    explicit = dict(cfg, rope_scaling=dict(cfg["rope_scaling"], attention_factor=1.0))
-    assert Dr.rope_inv_freq(Dr.DraftArgs.from_config(explicit))[1] == 1.0
-    assert Dr.rope_inv_freq(Dr.DraftArgs.from_config(dict(cfg, rope_scaling=None)))[1] == 1.0
+    d = Dr.DFlashDrafter(Dr.DraftArgs.from_config(cfg))
+    ref_inv, ref_amp = yarn_reference(cfg)
+    pos = torch.arange(40).view(1, -1)
+    cos, sin = d.rope_cos_sin(pos, torch.float32)                                   # [1, 40, hd]
+    ang = pos[0, :, None].float() * ref_inv                                          # [40, hd/2]
+    assert torch.equal(cos[0], torch.cat([ang.cos(), ang.cos()], -1) * ref_amp)
+    assert torch.equal(sin[0], torch.cat([-ang.sin(), ang.sin()], -1) * ref_amp)
+    amp = lambda c: d_amp(Dr.DraftArgs.from_config(c))
+    assert amp(cfg) == pytest.approx(1 + 0.1 * math.log(8.0))
+    kimi = dict(cfg, rope_scaling=dict(rope_type="yarn", factor=64.0, beta_fast=32.0, beta_slow=1.0,
+                                       original_max_position_embeddings=4096, mscale=1.0,
+                                       mscale_all_dim=1.0))
+    assert amp(kimi) == pytest.approx(1.4158883)
+    assert amp(dict(cfg, rope_scaling=dict(cfg["rope_scaling"], attention_factor=1.0))) == 1.0
+    assert amp(dict(cfg, rope_scaling=None)) == 1.0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 with a fast path keep the names and signatures kernels.py registers under and all go through the one switch;
 checkpoint.py's loader and config errors (a bad tensor, a NaN weight, a missing directory are named).
 Run: python -m pytest -q tests/test_model.py"""
+import dataclasses
 import json
 
 import pytest
@@ -54,6 +55,30 @@ def test_yarn_softmax_scale_and_band():
     base = 1.0 / (50000.0 ** (torch.arange(0, 64, 2).float() / 64))
     assert torch.equal(inv[:8], base[:8]) and torch.allclose(inv[20:], base[20:] / 64) and af == 1.0
     assert not torch.allclose(inv[8:20], base[8:20]) and not torch.allclose(inv[8:20], base[8:20] / 64)
+
+
+@pytest.mark.parametrize("dim, factor, L0, truncate", [
+    (64, 64.0, 4096, True), (128, 64.0, 4096, True), (24, 3.0, 256, True), (16, 40.0, 32, False)])
+@pytest.mark.parametrize("mscales", [(1.0, 1.0), (1.0, 0.707), (None, None)])
+def test_rope_inv_freq_is_transformers_yarn_bit_for_bit(dim, factor, L0, truncate, mscales):
+    """The one YaRN (the target's; over its head_dim, with truncate and legacy_amplitude, the
+    drafter's) == transformers' own frequencies and amplitude, bit for bit. legacy_amplitude
+    ignores mscale / mscale_all_dim: transformers' amplitude without them."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    rope = dict(rope_type="yarn", factor=factor, original_max_position_embeddings=L0,
+                beta_fast=32.0, beta_slow=1.0, truncate=truncate)
+    ms = dict(mscale=mscales[0], mscale_all_dim=mscales[1])
+    hf = lambda **extra: ROPE_INIT_FUNCTIONS["yarn"](Qwen3Config(
+        head_dim=dim, hidden_size=64, num_attention_heads=4, rope_theta=50000.0,
+        max_position_embeddings=int(factor * L0), rope_scaling=dict(rope, **extra)), "cpu")
+    args = dataclasses.replace(M.ModelArgs.from_config(tiny.text_config()), rope_theta=50000.0,
+                               rope_factor=factor, original_max_position_embeddings=L0, **ms)
+    ref_inv, ref_af = hf(**ms) if mscales[0] else hf()
+    inv, af = M.rope_inv_freq(args, dim, truncate)
+    assert torch.equal(inv, ref_inv.float()) and af == ref_af
+    inv, af = M.rope_inv_freq(args, dim, truncate, legacy_amplitude=True)
+    assert torch.equal(inv, ref_inv.float()) and af == hf()[1]
 
 
 def _prefill_then_decode(model, tokens, split, absorb_prefill=None):
@@ -118,9 +143,10 @@ def test_hidden_layers_are_layer_outputs():
         logits, hid = model(tokens, hidden_layers=(0, 2))
         h = model.embed_tokens(tokens)
         cos, sin = M.rope_cos_sin(model.inv_freq, model.rope_attn_factor, torch.arange(9).view(1, -1), h.dtype)
+        causal = torch.ones(1, 9, 9, dtype=torch.bool).tril()                     # [1, T, T]
         outs = []
         for layer in model.layers:
-            h = layer(h, cos, sin, None, None, None, False)
+            h = layer(h, cos, sin, None, None, causal, False)
             outs.append(h)
     assert hid.shape == (1, 9, 2 * 64)
     assert torch.allclose(hid, torch.cat([outs[0], outs[2]], -1), atol=1e-6)
