@@ -35,7 +35,9 @@ def ckpt(tmp_path_factory):
     write_tokenizer_config(d / "tokenizer_config.json", KIMI_SPECIAL_TOKENS(256))
     write_chat_template(d)
     cfg = D.tiny_draft_config(ref.args)
-    D.write_drafter(str(d / "draft"), D.DFlashDrafter(D.DraftArgs.from_config(cfg)).state_dict(), cfg)
+    drafter = D.DFlashDrafter(D.DraftArgs.from_config(cfg))
+    tiny.randomize_(drafter, seed=4, std=0.2)          # not torch.empty's bytes: the loader refuses NaN / inf
+    D.write_drafter(str(d / "draft"), drafter, cfg)
     return d
 
 
@@ -146,6 +148,20 @@ def test_nan_weights_name_the_tensor(ckpt, tmp_path, capsys):
     save_file(tensors, shard, metadata={"format": "pt"})
     code, _, err = run(capsys, "--ckpt", str(bad), "--prompt-ids", "1", "--quiet")
     assert one_line_error(code, err, name), err
+
+
+def test_nan_drafter_weights_name_the_tensor(ckpt, tmp_path, capsys):
+    """One NaN in one element of a drafter norm: refused at load, naming the tensor and its file (a drafter may
+    cost speed, never a token; the tree would survive its NaN drafts, but a broken file is the user's to know)."""
+    from safetensors.torch import load_file, save_file
+    bad = tmp_path / "draft"
+    shutil.copytree(ckpt / "draft", bad)
+    tensors = load_file(bad / "model.safetensors")
+    name = next(k for k in tensors if "norm" in k)
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    code, _, err = run(capsys, "--ckpt", str(ckpt), "--draft", str(bad), "--prompt-ids", "1,2", "--quiet")
+    assert one_line_error(code, err, f"tensor {name} in model.safetensors holds NaN or inf"), err
 
 
 def test_debug_shows_traceback(ckpt, capsys):
