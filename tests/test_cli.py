@@ -72,6 +72,8 @@ def test_generates_and_reports(ckpt, capsys):
     (["--top-k", "abc"], "argument --top-k: invalid int value"),
     (["--budget", "-1"], "--budget must be in [0, 1024]"), (["--budget", "5000"], "--budget"),
     (["--temperature", "-0.5"], "--temperature"), (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
+    (["--temperature", "1e-30"], "--temperature must be 0 (greedy) or a finite number >= 0.0001, got 1e-30"),
+    (["--temperature", "inf"], "--temperature must be 0 (greedy) or a finite number >= 0.0001, got inf"),
     (["--chain", "--budget", "0"], "--chain needs a drafter (--draft) and --budget >= 1, got --budget 0"),
     (["--show-tree", "--budget", "0"], "--show-tree needs a drafter"),
     (["--prompt", "x", "--raw", "--system", "be brief"], "--system"),
@@ -162,6 +164,26 @@ def test_nan_drafter_weights_name_the_tensor(ckpt, tmp_path, capsys):
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     code, _, err = run(capsys, "--ckpt", str(ckpt), "--draft", str(bad), "--prompt-ids", "1,2", "--quiet")
     assert one_line_error(code, err, f"tensor {name} in model.safetensors holds NaN or inf"), err
+
+
+def test_logits_with_no_token_stop_in_one_line(ckpt, tmp_path, capsys):
+    """Finite weights whose logits overflow float32 once divided by the temperature: one line naming the step, the
+    position and the temperature, exit 2, instead of token 0 over and over (greedy decodes the same weights)."""
+    from safetensors.torch import load_file, save_file
+    huge = tmp_path / "huge"
+    shutil.copytree(ckpt, huge)
+    for shard in huge.glob("model-*.safetensors"):
+        tensors = load_file(shard)
+        if any(k.endswith("lm_head.weight") for k in tensors):
+            name = next(k for k in tensors if k.endswith("lm_head.weight"))
+            tensors[name] = tensors[name] * 1e37                      # logits near 1e37: finite
+            save_file(tensors, shard, metadata={"format": "pt"})
+    argv = ["--ckpt", str(huge), "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--quiet"]
+    code, out, err = run(capsys, *argv, "--temperature", "0.0001")
+    assert one_line_error(code, err, "prefill: the target's logits after position 2 give no token (NaN or inf, or "
+                                     "past float32 divided by the temperature 0.0001)"), err
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and "4 tokens" in out, err
 
 
 def test_debug_shows_traceback(ckpt, capsys):
