@@ -528,8 +528,8 @@ def _param_name(name: str) -> str:
 def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None, dtype=None) -> DFlashDrafter:
     """Read config.json, check it against the target and the TP size (before loading anything), build the
     drafter on `device` in `dtype` and load every tensor exactly once, checked against its full shape; each
-    rank reads only its slice (safetensors get_slice, like checkpoint.load_checkpoint). No tensor may hold
-    NaN / inf (checked as the target's are: the error names the tensor and its file)."""
+    rank reads only its slice (safetensors get_slice, like checkpoint.load_checkpoint). No tensor
+    may hold NaN / inf (checked as the target's are: the error names the tensor and its file)."""
     from safetensors import safe_open
     args = DraftArgs.from_config(path)
     if target_args is not None:
@@ -553,7 +553,7 @@ def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
     if missing:
         raise CheckpointError(f"{path}: missing drafter tensors {missing[:5]}"
                               + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""))
-    C._check_finite(list(params.values()), written)     # as the target's: one host sync, then the culprit
+    C._check_finite(list(params.values()), written)    # as the target's: one sync, then the culprit
     return drafter.eval()
 
 

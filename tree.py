@@ -103,7 +103,7 @@ def rank_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
 # -----------------------------------------------------------------------------
 # The reference: the best-first heap of the paper (Algorithm 1). Python on the CPU; tests and teaching.
 
-@np.errstate(over="ignore")   # a sum of huge logp rounds to -inf, silently, as in the tensor builders
+@np.errstate(over="ignore")   # huge logp sum to -inf, silently, as in the tensor builders
 def build_tree_heap(draft_logits: torch.Tensor, root: int | torch.Tensor, budget: int) -> Tree:
     """[L, V] logits -> the DDTree of `budget` nodes below the root, by best-first search over rank tuples (as in
     liranringel/ddtree). Returns CPU tensors.
