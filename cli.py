@@ -23,6 +23,7 @@ import generate as G
 import kernels
 import model as M
 import tree as T
+import verify as V
 
 MAX_BUDGET = 1024      # verify width B+1; above 64 rows the tree attention runs its PyTorch reference
 
@@ -40,7 +41,8 @@ def check_args(a: argparse.Namespace) -> None:
                                  f"in [0, {MAX_BUDGET}] or auto", a.budget),
                                 ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1", a.max_new_tokens),
                                 ("--max-seq-len", a.max_seq_len >= 2, ">= 2", a.max_seq_len),
-                                ("--temperature", a.temperature >= 0, ">= 0", a.temperature),
+                                ("--temperature", a.temperature == 0 or V.MIN_TEMPERATURE <= a.temperature < math.inf,
+                                 f"0 (greedy) or a finite number >= {V.MIN_TEMPERATURE:g}", a.temperature),
                                 ("--top-k", a.top_k >= 0, ">= 0 (0: off)", a.top_k),
                                 ("--top-p", 0 < a.top_p <= 1, "in (0, 1]", a.top_p)]:
         if not ok:
@@ -290,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=budget_arg, default=8, help="DDTree node budget (0: autoregressive; auto: "
                    f"before each step a tree of {G.AUTO_BUDGET} or one token, whichever commits faster here)")
     p.add_argument("--chain", action="store_true", help="DFlash chain instead of a tree")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy); one below "
+                   f"{V.MIN_TEMPERATURE:g} is refused, not taken as greedy (logits / T could overflow)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens holding this mass")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")

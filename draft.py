@@ -547,7 +547,8 @@ def _param_name(name: str) -> str:
 def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None, dtype=None) -> DFlashDrafter:
     """Read config.json, check it against the target and the TP size (before loading anything), build the
     drafter on `device` in `dtype` and load every tensor exactly once, checked against its full shape; each
-    rank reads only its slice (safetensors get_slice, like checkpoint.load_checkpoint)."""
+    rank reads only its slice (safetensors get_slice, like checkpoint.load_checkpoint). No tensor
+    may hold NaN / inf (checked as the target's are: the error names the tensor and its file)."""
     from safetensors import safe_open
     args = DraftArgs.from_config(path)
     if target_args is not None:
@@ -555,6 +556,7 @@ def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
     # allocated in the final dtype (no fp32 copy of a 3.5B model); the constructor checks the TP divisibility first
     drafter = C.build(lambda: DFlashDrafter(args), device or "cpu", dtype or torch.get_default_dtype())
     params, loaded = dict(drafter.named_parameters()), set()
+    written = []    # (name, file, parameter): names a non-finite tensor
     for fname, names in sorted(C.shard_files(path).items()):
         with safe_open(os.path.join(path, fname), framework="pt", device="cpu") as f:
             for name in names if names is not None else list(f.keys()):
@@ -565,10 +567,12 @@ def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
                     raise CheckpointError(f"tensor {name} appears twice (again in {fname})")
                 _load_slice(f.get_slice(name), params[key], key, name, fname, args)
                 loaded.add(key)
+                written.append((name, fname, params[key]))
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{path}: missing drafter tensors {missing[:5]}"
                               + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""))
+    C._check_finite(list(params.values()), written)    # as the target's: one sync, then the culprit
     return drafter.eval()
 
 

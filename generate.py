@@ -414,6 +414,7 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
     max_seq_len = max_seq_len or model.max_seq_len or max(map(len, prompts)) + max_new_tokens + 80
     for i, p in enumerate(prompts):
         check_prompt(p, model.args.vocab_size, max_seq_len, f"prompt {i}: " if B > 1 else "")
+    V.check_temperature(temperature)
     auto = budget == "auto"
     if auto and chain:
         raise ValueError("--budget auto chooses between a tree and one token: not with --chain")
@@ -425,29 +426,35 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
     # 0. prefill: each prompt's KV, its first token, its context rows for the drafter
     step.prefill(prompts, debug)
     stats.prefill_s = clock.lap()
-    control = step.auto(max_seq_len - max(map(len, prompts))) if auto and drafter is not None else None
-    if control:
-        clock.lap()                      # untimed: on its first call Step.auto times the steps
-    t_decode, hook = clock.t, clock.stage if mode == "eager" else None   # per-stage times: syncs between stages
-    outs, done, start = [[] for _ in prompts], [False] * B, [len(p) for p in prompts]
+    outs, done, start, steps = [[] for _ in prompts], [False] * B, [len(p) for p in prompts], 0
 
     def emit(b: int, tokens: list[int]) -> None:
-        """Append row b's committed tokens, up to a stop token or the length limit (then the row finishes)."""
+        """Append row b's committed tokens, up to a stop token or the length limit (then the row
+        finishes). A V.NO_TOKEN ends the run after the tokens before it (the target has no next)."""
         n0 = len(outs[b])
         for t in tokens:
+            if t == V.NO_TOKEN:
+                break
             outs[b].append(t)
             if t in stop or len(outs[b]) >= max_new_tokens:
                 finish(b, "stop token" if t in stop else "max_new_tokens")
                 break
         if on_tokens:
             on_tokens(b, outs[b][n0:])
+        if tokens[-1] == V.NO_TOKEN and not done[b]:
+            when = (f"decoding step {steps}" if steps else "prefill") + (f", prompt {b}" * (B > 1))
+            raise no_token_error(when, start[b] - 1, temperature)
 
     def finish(b: int, why: str) -> None:
         done[b], stats.stopped = True, why
         step.active[b] = False           # the step masks row b from now on
 
-    for b, t in enumerate(step.bonus.tolist()):
+    for b, t in enumerate(step.bonus.tolist()):   # the first tokens, before Step.auto steps on
         emit(b, [t])
+    control = step.auto(max_seq_len - max(map(len, prompts))) if auto and drafter is not None else None
+    if control:
+        clock.lap()                      # untimed: on its first call Step.auto times the steps
+    t_decode, hook = clock.t, clock.stage if mode == "eager" else None   # per-stage times: syncs between stages
     fits = drafter is not None
     while not all(done):
         # the next step must fit in the cache: a tree of N nodes, else (from then on) one token, else the row stops
@@ -463,6 +470,7 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
             step.catch_up_on([p + o for p, o in zip(prompts, outs)], control.gap)
         # 1-5. one step for every row: draft, build tree, verify, accept, commit (or one autoregressive token)
         rows = step(spec, hook)
+        steps += 1
         if hook is None:
             clock.stage("verify")        # compiled, captured or static: the whole step's time
         stats.step_s.append(clock.laps)
@@ -477,13 +485,20 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
             if not done[b]:
                 start[b] += len(new)
                 stats.accept_lens.append(len(new))
-                if on_step and spec:
+                if on_step and spec and new[-1] != V.NO_TOKEN:
                     on_step(b, step.view, new)
                 emit(b, new)
     stats.new_tokens = sum(map(len, outs))
     clock.lap()
     stats.decode_s = clock.t - t_decode
     return outs
+
+
+def no_token_error(when: str, pos: int, temperature: float) -> RuntimeError:
+    """The target's logits after position `pos` gave no token (verify.NO_TOKEN): the run's end."""
+    over = f", or past float32 divided by the temperature {temperature:g}" if temperature else ""
+    return RuntimeError(f"{when}: the target's logits after position {pos} give no token (NaN or "
+                        f"inf{over}); --debug names the first layer that makes NaN or inf")
 
 
 def check_ranks_agree(tokens: list) -> None:

@@ -1186,7 +1186,8 @@ def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale, out=None):
 # ----------------------------------------------------------------------------------------------------------
 # 6. The tree (tree.py).
 
-# rank_topk: per depth row, the top k tokens by (logp desc, token id asc), and their logp; reference tree.rank_topk.
+# rank_topk: per depth row, the top k tokens by (logp desc, token id asc), and their logp, a non-finite logp counting
+# as -inf; reference tree.rank_topk.
 # Each token gets a unique int64 key that orders like that pair (the logp's bits made order-preserving by _sortable
 # in the high word, V-1-token in the low one; the reference builds the same key). No vocabulary sort: grid (row,
 # chunk), each program takes the k largest keys of a CHUNK by k rounds of max-and-remove, then one program per row
@@ -1209,9 +1210,15 @@ def _unsortable(m):
     return (m ^ ((m >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 @triton.jit
+def _finite_or_neg_inf(x):
+    # a non-finite logp ranks as -inf (NaN's bits would rank it first), as in the reference
+    INF: tl.constexpr = float("inf")
+    return tl.where(tl.abs(x) < INF, x, -INF)
+
+@triton.jit
 def _token_keys(logp_row, v, V):
     # int64 keys of tokens v (masked: _KEY_NONE); + 0.0 turns -0.0 into 0.0, which must tie with it
-    x = tl.load(logp_row + v, mask=v < V, other=0.0) + 0.0
+    x = _finite_or_neg_inf(tl.load(logp_row + v, mask=v < V, other=0.0)) + 0.0
     key = (_sortable(x).to(tl.int64) << 32) | (V - 1 - v).to(tl.int64)
     return tl.where(v < V, key, _KEY_NONE)
 
@@ -1220,7 +1227,7 @@ def _store_ranked(key, logp_row, V, lp_out, tok_out):
     # a winning key -> its token (from the low word) and that token's logp, read back from logp
     tok = V - 1 - (key & 0xFFFFFFFF)
     tl.store(tok_out, tok)
-    tl.store(lp_out, tl.load(logp_row + tok))
+    tl.store(lp_out, _finite_or_neg_inf(tl.load(logp_row + tok)))
 
 
 @triton.jit

@@ -9,7 +9,7 @@ bonus token). DDTree drafts the B most probable prefixes under the factorized di
 the target then verifies all of them in one forward. Definitions, shared bit for bit by both builders:
 
   draft_logits [L, V]  row d-1 predicts the token at depth d (the root has depth 0)
-  logp_d     = log_softmax(draft_logits[d-1].float())
+  logp_d     = log_softmax(draft_logits[d-1].float()), where a non-finite value counts as -inf
   ranks      tokens of each depth ordered by (logp_d desc, token id asc); keep K = min(B, V)  (rank_topk)
   prefix     a tuple of ranks (r_1..r_d); score = ((0 + logp_1[r_1]) + logp_2[r_2]) + ..., accumulated in
              depth order in float32 (so every builder rounds identically)
@@ -22,10 +22,16 @@ that fewer than B prefixes exist, the tail is padding: valid = False, token = ro
 score -inf, ancestor_mask row = itself. A padding node is nobody's child, so verify never accepts it; whether a
 node is padding depends only on (V, L, B), never on the logit values.
 
+Any drafter output makes a valid tree. A NaN or +inf logit, an all -inf row or a bf16/fp16
+overflow gives NaN in log_softmax; rank_topk ranks every non-finite logp as -inf (a NaN would
+rank first and push the root out of node 0). So every score is finite or -inf, never NaN, and
+the root (score 0, the empty tuple) stays node 0: a broken drafter costs acceptance, never a
+token (verify checks every node against the target).
+
 Reading order: Tree; rank_topk; build_tree_heap (the paper's Algorithm 1, the reference); ddtree_search (the
 same tree in fixed-shape tensor ops, no host sync: what a decode step runs; kernels.py has it as one Triton
 launch under the same name); build_tree / build_tree_batched (what generate.py calls); chain_tree (DFlash's
-chain in the same format); format_tree and LEGEND. NaN logits are not supported.
+chain in the same format); format_tree and LEGEND.
 """
 from __future__ import annotations
 
@@ -78,8 +84,10 @@ def rank_topk(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logp [..., V] float32 -> (lp, tok) [..., k]: the k best tokens of each row by (logp desc, token id asc),
     and their logp. Each token gets one int64 key that orders like that pair (the float's bits made
     order-preserving in the high word, V-1-token in the low one): the keys are unique, so topk has no tie to
-    break its own way, and no sort of the whole vocabulary is needed."""
+    break its own way, and no sort of the whole vocabulary is needed.
+    A non-finite logp counts as -inf, in the order and in lp (module doc: any drafter output)."""
     V = logp.shape[-1]
+    logp = torch.where(logp.isfinite(), logp, float("-inf"))   # NaN's bits would rank it first
     bits = (logp + 0.0).view(torch.int32).long()           # + 0.0 turns -0.0 into 0.0, which must tie with it
     high = bits ^ ((bits >> 31) & 0x7FFFFFFF)              # negative floats: flip the magnitude bits
     keys = (high << 32) | (V - 1 - torch.arange(V, device=logp.device))                       # [..., V] int64
@@ -95,6 +103,7 @@ def rank_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
 # -----------------------------------------------------------------------------
 # The reference: the best-first heap of the paper (Algorithm 1). Python on the CPU; tests and teaching.
 
+@np.errstate(over="ignore")   # huge logp sum to -inf, silently, as in the tensor builders
 def build_tree_heap(draft_logits: torch.Tensor, root: int | torch.Tensor, budget: int) -> Tree:
     """[L, V] logits -> the DDTree of `budget` nodes below the root, by best-first search over rank tuples (as in
     liranringel/ddtree). Returns CPU tensors.
@@ -336,9 +345,7 @@ def chain_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequenc
     bsz, L, V = draft_logits.shape
     dev, n = draft_logits.device, min(length, L)
     roots = torch.as_tensor(roots, dtype=torch.long, device=dev).reshape(bsz)  # [b]
-    logp = F.log_softmax(draft_logits[:, :n].float(), dim=-1)                 # [b, n, V]
-    tok = logp.argmax(dim=-1)  # [b, n]; argmax returns the first maximum = lowest token id
-    lp = logp.gather(2, tok[:, :, None])[:, :, 0]                            # [b, n]
+    lp, tok = (t[:, :, 0] for t in rank_tokens(draft_logits[:, :n], 1))     # [b, n] each: rank 0
     score, acc = [], torch.zeros(bsz, dtype=torch.float32, device=dev)
     for d in range(n):  # accumulate in depth order, like the tree builders (not cumsum: rounding)
         acc = acc + lp[:, d]

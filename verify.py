@@ -35,6 +35,19 @@ def verify_inputs(tree: Tree, start_pos: torch.Tensor | int) -> tuple[torch.Tens
     return tree.tokens, positions, tree.ancestor_mask if tree.mask_bits is None else tree.mask_bits
 
 
+NO_TOKEN = -1           # sample() where a row has no token: no tree node has it, so none matches it
+# The least temperature above 0: fp32 logits / T stays finite while |logits| < 3.4e34 (any working
+# model's); below it sampling is greedy but for near-ties anyway. generate and cli refuse less.
+MIN_TEMPERATURE = 1e-4
+
+
+def check_temperature(temperature: float, what: str = "temperature") -> None:
+    """0 (greedy) or a finite temperature >= MIN_TEMPERATURE, else a ValueError naming `what`."""
+    if temperature != 0 and not MIN_TEMPERATURE <= temperature < float("inf"):
+        raise ValueError(f"{what} must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
+                         f"got {temperature}")
+
+
 def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """logits [..., V] -> the distribution sample() draws from: softmax(logits / T) restricted to the top-k / top-p
     set; at temperature 0 the argmax, one-hot."""
@@ -56,12 +69,16 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
            generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of logits [..., V] (fp32): argmax at temperature 0, else a sample from sampling_probs. No
     host synchronisation: the sample is argmax(p / E) with E ~ Exponential(1), which is distributed as p (the
-    exponential-race trick)."""
+    exponential-race trick).
+    A row with a NaN or a +inf logit, only -inf, or logits / T past float32 has no token: NO_TOKEN.
+    A tree's path ends at such a node (accept), and the decoding loop stops there with an error."""
     if temperature <= 0:
-        return logits.argmax(dim=-1)
+        top, tok = logits.max(dim=-1)     # one pass: argmax (first of ties), max (NaN if any is)
+        return torch.where(top.isfinite(), tok, NO_TOKEN)
     probs = sampling_probs(logits, temperature, top_k, top_p)
     noise = torch.empty_like(probs).exponential_(1, generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    tok = (probs / noise).argmax(dim=-1)
+    return torch.where(probs[..., 0].isnan(), NO_TOKEN, tok)   # softmax makes such rows all NaN
 
 
 @kernels.fast

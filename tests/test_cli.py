@@ -35,7 +35,9 @@ def ckpt(tmp_path_factory):
     write_tokenizer_config(d / "tokenizer_config.json", KIMI_SPECIAL_TOKENS(256))
     write_chat_template(d)
     cfg = D.tiny_draft_config(ref.args)
-    D.write_drafter(str(d / "draft"), D.DFlashDrafter(D.DraftArgs.from_config(cfg)).state_dict(), cfg)
+    drafter = D.DFlashDrafter(D.DraftArgs.from_config(cfg))
+    tiny.randomize_(drafter, seed=4, std=0.2)          # not torch.empty's bytes: the loader refuses NaN / inf
+    D.write_drafter(str(d / "draft"), drafter, cfg)
     return d
 
 
@@ -70,6 +72,8 @@ def test_generates_and_reports(ckpt, capsys):
     (["--top-k", "abc"], "argument --top-k: invalid int value"),
     (["--budget", "-1"], "--budget must be in [0, 1024]"), (["--budget", "5000"], "--budget"),
     (["--temperature", "-0.5"], "--temperature"), (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
+    (["--temperature", "1e-30"], "--temperature must be 0 (greedy) or a finite number >= 0.0001, got 1e-30"),
+    (["--temperature", "inf"], "--temperature must be 0 (greedy) or a finite number >= 0.0001, got inf"),
     (["--chain", "--budget", "0"], "--chain needs a drafter (--draft) and --budget >= 1, got --budget 0"),
     (["--show-tree", "--budget", "0"], "--show-tree needs a drafter"),
     (["--prompt", "x", "--raw", "--system", "be brief"], "--system"),
@@ -146,6 +150,40 @@ def test_nan_weights_name_the_tensor(ckpt, tmp_path, capsys):
     save_file(tensors, shard, metadata={"format": "pt"})
     code, _, err = run(capsys, "--ckpt", str(bad), "--prompt-ids", "1", "--quiet")
     assert one_line_error(code, err, name), err
+
+
+def test_nan_drafter_weights_name_the_tensor(ckpt, tmp_path, capsys):
+    """One NaN in one element of a drafter norm: refused at load, naming the tensor and its file (a drafter may
+    cost speed, never a token; the tree would survive its NaN drafts, but a broken file is the user's to know)."""
+    from safetensors.torch import load_file, save_file
+    bad = tmp_path / "draft"
+    shutil.copytree(ckpt / "draft", bad)
+    tensors = load_file(bad / "model.safetensors")
+    name = next(k for k in tensors if "norm" in k)
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    code, _, err = run(capsys, "--ckpt", str(ckpt), "--draft", str(bad), "--prompt-ids", "1,2", "--quiet")
+    assert one_line_error(code, err, f"tensor {name} in model.safetensors holds NaN or inf"), err
+
+
+def test_logits_with_no_token_stop_in_one_line(ckpt, tmp_path, capsys):
+    """Finite weights whose logits overflow float32 once divided by the temperature: one line naming the step, the
+    position and the temperature, exit 2, instead of token 0 over and over (greedy decodes the same weights)."""
+    from safetensors.torch import load_file, save_file
+    huge = tmp_path / "huge"
+    shutil.copytree(ckpt, huge)
+    for shard in huge.glob("model-*.safetensors"):
+        tensors = load_file(shard)
+        if any(k.endswith("lm_head.weight") for k in tensors):
+            name = next(k for k in tensors if k.endswith("lm_head.weight"))
+            tensors[name] = tensors[name] * 1e37                      # logits near 1e37: finite
+            save_file(tensors, shard, metadata={"format": "pt"})
+    argv = ["--ckpt", str(huge), "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--quiet"]
+    code, out, err = run(capsys, *argv, "--temperature", "0.0001")
+    assert one_line_error(code, err, "prefill: the target's logits after position 2 give no token (NaN or inf, or "
+                                     "past float32 divided by the temperature 0.0001)"), err
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and "4 tokens" in out, err
 
 
 def test_debug_shows_traceback(ckpt, capsys):

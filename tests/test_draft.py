@@ -388,6 +388,22 @@ def test_bad_tensors_named(tmp_path, target):
     assert all(torch.equal(p, W[k]) for k, p in d.state_dict().items())
 
 
+@pytest.mark.parametrize("key,value", [("layers.0.input_layernorm.weight", float("nan")),
+                                       ("fc.weight", float("inf")), ("norm.weight", float("-inf"))])
+def test_nonfinite_weights_named_at_load(tmp_path, target, key, value):
+    """A NaN or inf in any drafter tensor (one element of a norm is enough to make every draft NaN) is an error
+    naming the tensor and its file, as for the target; a sharded drafter names the right shard."""
+    cfg, W = make_ckpt(tmp_path / "ok", target.args)
+    W[key].view(-1)[1] = value
+    Dr.write_drafter(str(tmp_path / "bad"), W, cfg)
+    with pytest.raises(Dr.CheckpointError, match=f"^tensor {key} in model.safetensors holds NaN or inf$"):
+        Dr.load_drafter(str(tmp_path / "bad"), target.args)
+    Dr.write_drafter(str(tmp_path / "sharded"), W, cfg, n_shards=3)
+    shard = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"][key]
+    with pytest.raises(Dr.CheckpointError, match=f"^tensor {key} in {shard} holds NaN or inf$"):
+        Dr.load_drafter(str(tmp_path / "sharded"), target.args)
+
+
 def test_cache_overflow_and_setup_required(tmp_path, target):
     cfg, _ = make_ckpt(tmp_path, target.args)
     d = Dr.load_drafter(str(tmp_path), target.args)

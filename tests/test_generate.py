@@ -1,6 +1,8 @@
 """The decoding loop: greedy DDTree / DFlash chain == greedy autoregressive, token for token, and the KV
 cache after commits equals the autoregressive cache; sampling keeps the target's distribution.
 Run: python -m pytest -q tests/test_generate.py"""
+import itertools
+
 import pytest
 import torch
 
@@ -260,6 +262,159 @@ def test_real_drafter_ddtree_equals_autoregressive(target, real_drafter, ar_runs
         cut = ar[:ar.index(stop) + 1]
         assert G.generate(target, prompt, 32, drafter=real_drafter, budget=budget, max_seq_len=128,
                           stop_ids=[stop]) == cut
+
+
+# -----------------------------------------------------------------------------
+# Lossless under any drafter: drafts broken at random places never change a token.
+
+HOSTILE_RUNS = {"budget 1": dict(budget=1), "budget 8": dict(budget=8), "budget 16": dict(budget=16),
+                "chain": dict(chain=True), "auto": dict(budget="auto"), "auto, scripted": dict(budget="auto")}
+
+
+def _references(runs) -> torch.Tensor:
+    """[B, S] each run's prompt and autoregressive continuation, zero-padded: the HostileDrafter's oracle."""
+    seqs = [prompt + ar for prompt, ar, _ in runs]
+    return torch.tensor([s + [0] * (max(map(len, seqs)) - len(s)) for s in seqs])
+
+
+@pytest.mark.parametrize("run", list(HOSTILE_RUNS))
+def test_hostile_drafter_costs_no_token(target, real_drafter, ar_runs, run, monkeypatch):
+    """Greedy DDTree (budgets 1, 8, 16), the chain and --budget auto (its own choices, or a script of one-token
+    stretches, catch_ups and trees) commit the autoregressive tokens whatever the drafter returns: its logits are
+    broken at random places (tiny.corrupt_logits: NaN rows and spots, +-inf, all -inf, +-3e38, all equal), between
+    rows that the target accepts. The broken drafts reach the tree, and drafts are still accepted."""
+    if run == "auto, scripted":
+        picks = itertools.cycle([False] * 6 + [True, True] + [False] * 2 + [True] + [False] * 9 + [True] * 3)
+        monkeypatch.setattr(G.AutoBudget, "tree", lambda self: next(picks))
+    trees = []          # per tree step: were some of its drafts non-finite, and the tokens it committed
+    on_step = lambda b, view, new: trees.append((not view.draft_logits[b].isfinite().all(), len(new)))
+    for i, (prompt, ar, _) in enumerate(ar_runs):
+        drafter = tiny.HostileDrafter(real_drafter, _references(ar_runs[i:i + 1]))
+        out = G.generate(target, prompt, 32, drafter=drafter, max_seq_len=128, on_step=on_step, **HOSTILE_RUNS[run])
+        assert out == ar, (run, i)
+    broken, accept = sum(b for b, _ in trees), sum(n for _, n in trees) / len(trees)
+    assert broken >= len(trees) // 3 and len(trees) >= 12 and accept > 1.2, (broken, len(trees), accept)
+
+
+@pytest.mark.parametrize("kw", [dict(budget=8), dict(budget=16), dict(chain=True), dict(budget="auto")])
+def test_hostile_drafter_batch(target, real_drafter, ar_runs, kw):
+    """A batch of prompts of different lengths, each row's drafts broken on its own: every row commits its
+    autoregressive tokens."""
+    prompts = [prompt for prompt, _, _ in ar_runs]
+    drafter = tiny.HostileDrafter(real_drafter, _references(ar_runs))
+    out = G.generate_batch(target, prompts, 32, drafter=drafter, max_seq_len=128, **kw)
+    assert out == [ar for _, ar, _ in ar_runs]
+
+
+def test_sampling_distribution_survives_a_hostile_drafter():
+    """At temperature 1 the committed tokens follow the target whatever the drafter says: 40000 rows, each with its
+    own drafts broken at random places (tiny.corrupt_logits over the right marginals, so paths through them are
+    accepted), the real tree builder and acceptance, the target's conditionals from a table (as in
+    test_sampling_distribution_matches_target): x1 ~ p1, and x2 | x1, x3 | x2 ~ p2. Every tree keeps its root."""
+    torch.manual_seed(0)                                               # corrupt_logits draws from it
+    V_, N_rows = 5, 40000
+    g = torch.Generator().manual_seed(3)
+    p1 = torch.randn(V_, generator=g).softmax(-1)                     # p(x1 | root)
+    p2 = torch.randn(V_, V_, generator=g).softmax(-1)                 # p(x_d+1 | x_d)
+    marginals = torch.stack([p1, p1 @ p2, p1 @ p2 @ p2]).log()        # [3, V] the drafter's, right per depth
+    draft = tiny.corrupt_logits(marginals.expand(N_rows, 3, V_))      # [N_rows, 3, V]
+    assert (~draft.isfinite()).any(-1).float().mean() > 0.15                # rows holding NaN or inf
+    tr = T.build_tree_batched(draft, torch.zeros(N_rows, dtype=torch.long), 6)
+    assert (tr.tokens[:, 0] == 0).all() and (tr.parents[:, 0] == -1).all() and (tr.depths[:, 0] == 0).all()
+    assert not tr.scores.isnan().any()
+    logits = torch.where((tr.depths == 0).unsqueeze(-1), p1.log().expand(N_rows, tr.tokens.shape[1], V_),
+                         p2.log()[tr.tokens])
+    targets = V.sample(logits, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    accepted, accept_len, bonus = V.accept(tr, targets)
+    assert (accept_len >= 3).float().mean() > 0.1                      # deep paths through the broken drafts
+    path_tok = tr.tokens.gather(1, accepted)
+    for d in (1, 2, 3):                                                # x_d, for the rows whose x_d-1 was a node
+        rows = accept_len >= d
+        x = torch.where(accept_len[rows] > d, path_tok[rows, d], bonus[rows])
+        prev = path_tok[rows, d - 1]
+        for a in range(V_) if d > 1 else [None]:
+            sel = torch.ones_like(prev, dtype=torch.bool) if a is None else prev == a
+            if sel.sum() < 2000:
+                continue
+            want = p1 if a is None else p2[a]
+            freq = torch.bincount(x[sel], minlength=V_).float() / sel.sum()
+            chi2 = (((freq - want) ** 2) / want).sum() * sel.sum()
+            assert chi2 < 20.5, (d, a, freq, want)                     # chi-square, 4 dof: p < 0.0005
+
+
+# -----------------------------------------------------------------------------
+# Logits with no token to give stop the run, by name.
+
+NO_TOKEN_RUNS = {"autoregressive": dict(budget=0), "budget 1": dict(budget=1), "budget 8": dict(budget=8),
+                 "chain": dict(chain=True), "auto": dict(budget="auto")}
+
+
+@pytest.mark.parametrize("run", list(NO_TOKEN_RUNS))
+def test_nonfinite_logits_stop_the_run(target, real_drafter, ar_runs, run, monkeypatch):
+    """The target's logits NaN after one token of the autoregressive output: every mode streams exactly the tokens up
+    to it, then stops with an error naming the decoding step and that token's position (autoregressive: its step
+    number too). NaN logits after a token that is drafted but never committed (the lowest id not in the output,
+    which the broken rows draft first) are never read. Sampled (temperature 1): NaN from a position on, named."""
+    prompt, ar, _ = ar_runs[1]
+    k = next(j for j in range(8, len(ar)) if ar[j] not in prompt + ar[:j])       # ar[k]'s first occurrence
+    never = min(set(range(96)) - set(prompt + ar))
+    tiny.nan_logits_where(target, monkeypatch, lambda tokens, pos: (tokens == ar[k]) | (tokens == never))
+    drafter = tiny.HostileDrafter(real_drafter, _references(ar_runs[1:2]))
+    seen, drafted = [], []
+    on_step = lambda b, view, new: drafted.append(bool((view.tree.tokens[b] == never).any()))
+    step = k + 1 if run == "autoregressive" else r"\d+"
+    with pytest.raises(RuntimeError, match=rf"^decoding step {step}: the target's logits after position "
+                                           rf"{len(prompt) + k} give no token \(NaN or inf\); --debug names"):
+        G.generate(target, prompt, 32, drafter=drafter, max_seq_len=128, on_tokens=seen.extend, on_step=on_step,
+                   **NO_TOKEN_RUNS[run])
+    assert seen == ar[:k + 1]
+    assert any(drafted) or run == "autoregressive", drafted
+    monkeypatch.undo()
+    tiny.nan_logits_where(target, monkeypatch, lambda tokens, pos: pos >= len(prompt) + 6)
+    seen.clear()
+    with pytest.raises(RuntimeError, match=rf": the target's logits after position {len(prompt) + 6} give no token "
+                                           r"\(NaN or inf, or past float32 divided by the temperature 1\)"):
+        G.generate(target, prompt, 32, drafter=drafter, max_seq_len=128, on_tokens=seen.extend, temperature=1.0,
+                   **NO_TOKEN_RUNS[run])
+    assert len(seen) == 7
+    monkeypatch.undo()                         # a batch: the row that reaches position 40 first is named
+    tiny.nan_logits_where(target, monkeypatch, lambda tokens, pos: pos >= 40)
+    runs, rows = [ar_runs[0], ar_runs[2]], [[], []]                # prompts of 1 and 30 tokens
+    with pytest.raises(RuntimeError, match=r"^decoding step \d+, prompt 1: the target's logits after position 40 "):
+        G.generate_batch(target, [p for p, _, _ in runs], 32, drafter=tiny.HostileDrafter(real_drafter,
+                         _references(runs)), max_seq_len=128, on_tokens=lambda b, t: rows[b].extend(t),
+                         **NO_TOKEN_RUNS[run])
+    assert rows[1] == runs[1][1][:11] and rows[0] == runs[0][1][:len(rows[0])]
+
+
+def test_nonfinite_weights_stop_at_prefill(target, real_drafter):
+    """A NaN weight put into the target after loading: the first token already has no logits to come from, for one
+    prompt or a batch (the prompt named), autoregressive or drafted; the temperature does not matter."""
+    bad = tiny.random_model(tiny.text_config(), seed=11)          # the target fixture's weights, its own copy
+    with torch.no_grad():
+        bad.layers[1].self_attn.o_proj.weight[0, 0] = float("nan")
+    for kw in (dict(budget=0), dict(drafter=real_drafter, budget=8), dict(drafter=real_drafter, chain=True)):
+        with pytest.raises(RuntimeError, match=r"^prefill: the target's logits after position 2 give no token"):
+            G.generate(bad, [1, 2, 3], 8, max_seq_len=64, **kw)
+        with pytest.raises(RuntimeError, match=r"^prefill, prompt 0: the target's logits after position 3 give"):
+            G.generate_batch(bad, [[4, 5, 6, 7], [1, 2]], 8, max_seq_len=64, temperature=0.5, **kw)
+
+
+def test_temperature_overflow_stops_and_tiny_temperatures_are_refused(target, ar_runs):
+    """Finite logits that overflow float32 once divided by the temperature: the error says so (greedy decodes them
+    as ever). A temperature below verify.MIN_TEMPERATURE (or not finite, or negative) is refused up front."""
+    prompt, ar, _ = ar_runs[0]
+    huge = tiny.random_model(tiny.text_config(), seed=11)         # the target fixture's weights, its own copy
+    with torch.no_grad():
+        huge.lm_head.weight.mul_(1e37)                  # logits near 1e37: finite, past float32 when divided by 1e-4
+    assert G.generate(huge, prompt, 32, max_seq_len=128) == ar
+    with pytest.raises(RuntimeError, match=r"^prefill: .* \(NaN or inf, or past float32 divided by the temperature "
+                                           r"0.0001\)"):
+        G.generate(huge, prompt, 8, max_seq_len=128, temperature=1e-4)
+    for t in (1e-30, 5e-5, float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match=r"^temperature must be 0 \(greedy\) or a finite number >= 0.0001, "
+                                             rf"got {t}$"):
+            G.generate(target, prompt, 4, max_seq_len=128, temperature=t)
 
 
 def test_greedy_with_cache_equals_recompute(target):

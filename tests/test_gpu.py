@@ -1,6 +1,7 @@
 """GPU-only checks (run on an H200; CI has no GPU, so these skip there): the model's own arguments fit every Triton
 kernel (a decode step calls each one); CUDA-graph replay == eager over >= 100 DDTree steps with changing trees for
-budgets 4..64, with the Triton kernels in the loop; the compiled step captured as a graph (graph+compile) == eager.
+budgets 4..64, with the Triton kernels in the loop; the compiled step captured as a graph (graph+compile) == eager;
+captured steps stay lossless under a drafter broken at random places, and stop by name on logits with no token.
 The kernels themselves against their references: tests/test_kernels.py (it runs them directly on a GPU).
 Run: python -m pytest -q tests/test_gpu.py"""
 import pytest
@@ -147,3 +148,50 @@ def test_auto_graph_equals_eager_and_autoregressive(tmp_path, monkeypatch):
     assert runs["graph"] == runs["eager"] and runs["graph"][0] == ar
     (step,) = G.Step.cache.values()
     assert set(step.graphs) == {True, False, "catch_up"}
+
+
+@pytest.mark.parametrize("kw", [dict(budget=8), dict(budget=16), dict(chain=True), dict(budget="auto")])
+def test_hostile_drafter_graph_equals_autoregressive(tmp_path, monkeypatch, kw):
+    """Lossless under any drafter, captured: drafts broken at random places (tiny.corrupt_logits; each replay draws new
+    NaN rows and spots, +-inf, all -inf, +-3e38, all-equal rows, through the Triton rank and search kernels) commit
+    the autoregressive tokens in graph mode (fp32), for one prompt and for a batch of three; the broken drafts reach
+    the replayed trees. --budget auto follows a script of trees, one-token stretches and catch_ups."""
+    import itertools
+    if kw.get("budget") == "auto":
+        picks = itertools.cycle([False] * 6 + [True, True] + [False] * 2 + [True] + [False] * 9 + [True] * 3)
+        monkeypatch.setattr(G.AutoBudget, "tree", lambda self: next(picks))
+    target, drafter = _pair(tmp_path, torch.float32)
+    prompts = [list(range(3, 40)), [5, 9, 2], list(range(60, 75))]
+    ars = [G.generate(target, p, 80, max_seq_len=320) for p in prompts]
+    batch_ar = G.generate_batch(target, prompts, 80, max_seq_len=320)   # the batch's own (its shapes' rounding)
+    seqs = [p + a for p, a in zip(prompts, ars)]
+    ref = torch.tensor([s + [0] * (max(map(len, seqs)) - len(s)) for s in seqs], device="cuda")   # the oracle
+    broken = []
+    on_step = lambda b, view, new: broken.append(bool((~view.draft_logits[b].isfinite()).any()))
+    G.Step.cache.clear()
+    out = G.generate(target, prompts[0], 80, drafter=tiny.HostileDrafter(drafter, ref[:1]), max_seq_len=320,
+                     mode="graph", on_step=on_step, **kw)
+    assert out == ars[0]
+    assert sum(broken) >= len(broken) // 3 and len(broken) >= 10, broken
+    assert G.generate_batch(target, prompts, 80, drafter=tiny.HostileDrafter(drafter, ref), max_seq_len=320,
+                            mode="graph", **kw) == batch_ar
+    assert all(s.graphs for s in G.Step.cache.values())                  # every step ran as a replay
+
+
+def test_no_token_stops_graph_mode(tmp_path, monkeypatch):
+    """Logits with no token to give inside a captured step (NaN after one token of the output): the replay's
+    verify.NO_TOKEN reaches the host in the step's one copy, and the run stops with the error naming that token's
+    position, after streaming exactly the autoregressive tokens up to it; autoregressive, DDTree and chain."""
+    target, drafter = _pair(tmp_path, torch.float32)
+    prompt = list(range(3, 40))
+    ar = G.generate(target, prompt, 40, max_seq_len=320)
+    k = next(j for j in range(8, len(ar)) if ar[j] not in prompt + ar[:j])       # ar[k]'s first occurrence
+    tiny.nan_logits_where(target, monkeypatch, lambda tokens, pos: tokens == ar[k])
+    for kw in (dict(budget=0), dict(drafter=drafter, budget=8), dict(drafter=drafter, chain=True)):
+        seen = []
+        G.Step.cache.clear()
+        with pytest.raises(RuntimeError, match=rf"^decoding step \d+: the target's logits after position "
+                                               rf"{len(prompt) + k} give no token"):
+            G.generate(target, prompt, 40, max_seq_len=320, mode="graph", on_tokens=seen.extend, **kw)
+        assert seen == ar[:k + 1], kw
+        assert all(s.graphs for s in G.Step.cache.values())

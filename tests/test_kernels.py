@@ -663,11 +663,12 @@ def test_block_attention_kernel(B, T_, H, KV, prefixes, tiles, dtype, monkeypatc
 @needs_kernels
 @pytest.mark.parametrize("V_, k, kind", [(37, 37, "ints"), (300, 8, "gauss"), (1024, 64, "ints"), (1500, 16, "ties"),
                                          (4352, 8, "gauss"), (4352, 63, "neg_inf"), (20000, 16, "gauss"),
-                                         (20000, 5, "zeros")])
+                                         (20000, 5, "zeros"), (300, 16, "nonfinite"), (4352, 8, "nonfinite")])
 def test_rank_topk_kernel(V_, k, kind):
     """Top-k of (logp desc, token asc) without a vocabulary sort == the keyed top-k reference == a stable sort, bit
     for bit: exact ties, -0.0 next to 0.0, -inf, all-equal rows; one chunk (V <= 1024), several (merge launch), and
-    the 4096-token chunks of a large vocabulary (V = 20000)."""
+    the 4096-token chunks of a large vocabulary (V = 20000). A non-finite logp (NaN of either sign, +inf: a broken
+    drafter's) ranks and reads back as -inf."""
     g = torch.Generator().manual_seed(V_ + k)
     x = torch.randn(3, V_, generator=g) * 3
     if kind == "ints":
@@ -682,9 +683,15 @@ def test_rank_topk_kernel(V_, k, kind):
     if kind == "ties":
         logp[:, 7], logp[:, 9] = 0.0, -0.0                               # a -0.0 must tie with 0.0 (token order)
         assert logp[0, 9].signbit() and not logp[0, 7].signbit()
+    if kind == "nonfinite":
+        pick = torch.rand(3, V_, generator=g).to(KERNEL_DEVICE)
+        logp[pick < 0.1], logp[pick > 0.95], logp[(pick > 0.5) & (pick < 0.55)] = float("nan"), -float("nan"), \
+            float("inf")
+        logp[1] = float("nan")                                           # a whole row: all tie, token order
+        assert logp.isnan().any() and logp[0].signbit()[pick[0] > 0.95].all()
     lp, tok = launch("rank_topk", logp, k)
     lp_ref, tok_ref = T.rank_topk.ref(logp, k)
-    want_lp, want_tok = torch.sort(logp, dim=-1, descending=True, stable=True)
+    want_lp, want_tok = torch.sort(logp.where(logp.isfinite(), float("-inf")), dim=-1, descending=True, stable=True)
     assert torch.equal(tok, tok_ref) and torch.equal(tok, want_tok[:, :k]), f"{tok}\n{want_tok[:, :k]}"
     assert torch.equal(lp.view(torch.int32), lp_ref.view(torch.int32))
     assert torch.equal(lp.view(torch.int32), want_lp[:, :k].contiguous().view(torch.int32))
@@ -710,6 +717,12 @@ def check_tree(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, B: int,
 
 
 def tree_logits(g: torch.Generator, b: int, L: int, V_: int, kind: str) -> torch.Tensor:
+    if kind == "broken":        # a broken drafter's: NaN, +-inf, huge values at random places, a NaN row
+        pick = torch.rand(b, L, V_, generator=g)
+        x = torch.randn(b, L, V_, generator=g) * 3
+        x[pick < 0.1], x[pick > 0.9], x[(pick > 0.5) & (pick < 0.55)] = float("nan"), float("inf"), -3e38
+        x[:, -1] = float("nan")
+        return x
     if kind == "gauss":
         return torch.randn(b, L, V_, generator=g) * 3
     if kind == "rounded":       # few distinct values: many exact ties, within and across depths
@@ -734,6 +747,9 @@ def test_ddtree_search_kernel(B):
         V_, bsz, kind = vocabs[n % len(vocabs)], [1, 3][n % 2], kinds[(n // 2) % len(kinds)]
         lp, tok = T.rank_tokens(tree_logits(g, bsz, L, V_, kind), min(B, V_))
         check_tree(lp, tok, torch.randint(0, V_, (bsz,), generator=g), B, f"B={B} L={L} V={V_} b={bsz} {kind}")
+    for L, V_ in ((1, 64), (7, 5), (15, 1000)):      # a broken drafter's logits: the root stays node 0
+        lp, tok = T.rank_tokens(tree_logits(g, 3, L, V_, "broken"), min(B, V_))
+        check_tree(lp, tok, torch.tensor([4, 0, 1]), B, f"B={B} L={L} V={V_} broken")
 
 
 @needs_kernels

@@ -323,6 +323,70 @@ def test_rank_tokens_keys_equal_stable_sort():
         assert torch.equal(lp.view(torch.int32), want_lp[..., :k].view(torch.int32)), f"trial {trial}"
 
 
+HOSTILE = ["nan_one", "nan_row", "pos_inf", "neg_inf_row", "huge", "equal", "fp16_overflow", "mixed"]
+
+
+def hostile_logits(g: torch.Generator, shape: tuple, kind: str) -> torch.Tensor:
+    """What a broken drafter may return: NaN (one, or a whole row), +inf, all -inf rows, values near the float32
+    limit, all-equal rows, an fp16 overflow, or all of these at random places over random logits."""
+    x = torch.randn(shape, generator=g) * 3
+    row = lambda: tuple(int(torch.randint(0, n, (1,), generator=g)) for n in shape[:-1])
+    if kind == "nan_one":
+        x[row() + (int(torch.randint(0, shape[-1], (1,), generator=g)),)] = float("nan")
+    elif kind == "nan_row":
+        x[row()] = float("nan")
+    elif kind == "pos_inf":
+        x[torch.rand(shape, generator=g) < 0.05] = float("inf")
+    elif kind == "neg_inf_row":
+        x[row()] = float("-inf")
+    elif kind == "huge":
+        x = torch.where(torch.rand(shape, generator=g) < 0.5, 3e38, -3e38) * torch.rand(shape, generator=g).round()
+    elif kind == "equal":
+        x = torch.full(shape, 7.0)
+    elif kind == "fp16_overflow":    # an fp16 drafter's logits past 65504 are inf
+        x = (x * 3e4).half()
+    else:
+        palette = torch.tensor([float("nan"), float("inf"), float("-inf"), 3e38, -3e38, 0.0, -float("nan")])
+        pick = torch.randint(0, len(palette), shape, generator=g)
+        x = torch.where(torch.rand(shape, generator=g) < 0.2, palette[pick], x)
+        x[row()] = 1.0                                                           # an all-equal row
+    return x
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_any_drafter_output_keeps_the_root(kind):
+    """Whatever the drafter returns, node 0 is the root and no score is NaN (a NaN ranked first would push the root
+    out of node 0); the search equals the heap bit for bit, the chain takes each depth's rank-0 token, and the tree
+    holds every invariant. The issue's case first: one NaN among the logits."""
+    x = torch.randn(7, 50, generator=torch.Generator().manual_seed(0))
+    x[2, 5] = float("nan")
+    assert build_tree(x, 220, 8).tokens[0] == 220 and build_tree_heap(x, 220, 8).tokens[0] == 220
+    g = torch.Generator().manual_seed(HOSTILE.index(kind))
+    for trial in range(40):
+        L, V = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(2, 120, (1,), generator=g))
+        B = int(torch.randint(1, 40, (1,), generator=g))
+        x = hostile_logits(g, (2, L, V), kind)
+        roots = torch.randint(0, V, (2,), generator=g)
+        bt, ct = build_tree_batched(x, roots, B), chain_tree_batched(x, roots, L)
+        lp, tok = T.rank_tokens(x, 1)
+        for i in range(2):
+            msg = f"{kind} L={L} V={V} B={B} trial={trial} row={i}"
+            t = bt[i]
+            assert_same_tree(t, build_tree_heap(x[i], roots[i], B), msg)
+            assert_same_tree(ct[i], chain_tree(x[i], roots[i], L), msg)
+            for tr in (t, ct[i]):
+                assert tr.tokens[0] == roots[i] and not tr.scores.isnan().any(), msg
+                check_invariants(tr, L, tr.tokens.shape[0] - 1)
+            assert ct[i].tokens[1:].tolist() == tok[i, :, 0].tolist(), msg
+            logp = torch.log_softmax(x[i].float(), -1)
+            if not logp.isfinite().all():        # non-finite logp ranks as -inf; the rest keeps its order
+                clean = torch.where(logp.isfinite(), logp, float("-inf"))
+                want_lp, want_tok = torch.sort(clean, dim=-1, descending=True, stable=True)
+                lp_i, tok_i = T.rank_tokens(x[i], V)
+                assert torch.equal(tok_i, want_tok) and torch.equal(lp_i.view(torch.int32),
+                                                                     want_lp.view(torch.int32)), msg
+
+
 def test_no_host_sync_in_builder():
     for fn in (T.build_tree, T.build_tree_batched, T.ddtree_search, T.rank_tokens, T.rank_topk, T.pack_rows,
                T._lex_order, T._ancestor_mask, T._assemble, T._plan, T._pad, T.chain_tree, T.chain_tree_batched):
@@ -344,3 +408,11 @@ def test_cuda_matches_ref():
     bt = build_tree_batched(x, torch.tensor([1, 2], device="cuda"), 16)
     for i in range(2):
         assert_same_tree(bt[i], build_tree_heap(x[i], i + 1, 16))
+    for trial in range(80):       # a broken drafter's logits through the rank and search kernels
+        kind = HOSTILE[trial % len(HOSTILE)]
+        L, V, B = int(torch.randint(1, 9, (1,))), int(torch.randint(2, 300, (1,))), int(torch.randint(1, 65, (1,)))
+        x, roots = hostile_logits(g, (2, L, V), kind).cuda(), torch.tensor([1, 0], device="cuda")
+        bt, ct = build_tree_batched(x, roots, B), chain_tree_batched(x, roots, L)
+        for i in range(2):
+            assert_same_tree(bt[i], build_tree_heap(x[i], i ^ 1, B), f"{kind} L={L} V={V} B={B}")
+            assert_same_tree(ct[i], chain_tree(x[i].cpu(), i ^ 1, L), f"{kind} chain L={L} V={V}")

@@ -113,3 +113,25 @@ def test_sampling_probs_is_what_verify_samples():
         draws = V.sample(logits.expand(40000, 12), temp, k, p, generator=g)                   # [40000]
         freq = torch.bincount(draws, minlength=12).float() / 40000
         assert (freq - probs).abs().max() < 0.01 and torch.equal(probs > 0, freq > 0)
+
+
+def test_rows_with_no_token_sample_to_no_token():
+    """A row with a NaN or an inf logit, only -inf, or logits that overflow float32 once divided by the temperature
+    has nothing to sample from: NO_TOKEN, greedy or sampled (top-k, top-p too); other rows, -inf entries included,
+    sample as ever (greedy: the argmax, first of ties). A tree path ends at a node whose token is NO_TOKEN."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[0.0, 2.0, 2.0, -1.0], [0.0, nan, 1.0, 2.0], [0.0, inf, 1.0, 2.0], [-inf] * 4,
+                           [-inf, 1.0, -inf, 0.5], [3e38, 1.0, 0.0, 0.0], [-nan, 0.0, 0.0, 0.0]])
+    bad = [False, True, True, True, False, False, True]
+    g = torch.Generator().manual_seed(0)
+    greedy = V.sample(logits, 0.0)
+    assert greedy.tolist() == [1, V.NO_TOKEN, V.NO_TOKEN, V.NO_TOKEN, 1, 0, V.NO_TOKEN]
+    for temp, k, p in ((1.0, 0, 1.0), (0.5, 2, 1.0), (1.0, 0, 0.9)):
+        s = V.sample(logits[:5], temp, k, p, generator=g)
+        assert [t == V.NO_TOKEN for t in s.tolist()] == bad[:5] and s[4] in (1, 3)
+    assert V.sample(logits[5:6], 1.0, generator=g).tolist() == [0]                  # huge but finite: fine
+    assert V.sample(logits[5:6] / 1e4, 1e-4, generator=g).tolist() == [0]
+    assert V.sample(logits[5:6] / 1e4, 2e-5, generator=g).tolist() == [V.NO_TOKEN]   # past float32 / T
+    tr = five_node_tree()
+    acc, n, b = V.accept(tr, torch.tensor([[11, V.NO_TOKEN, 0, 99, 0]]))           # node 1 (token 11) had none
+    assert acc[0, :int(n)].tolist() == [0, 1] and int(b) == V.NO_TOKEN

@@ -1,4 +1,5 @@
-"""Tiny K2-architecture configs and checkpoints for tests: same formats as the real Kimi K2.6 files."""
+"""Tiny K2-architecture configs and checkpoints for tests: same formats as the real Kimi K2.6 files; and a drafter
+broken at random places (HostileDrafter), which may cost speed but never a token."""
 
 import torch
 
@@ -92,3 +93,67 @@ def count_launches(monkeypatch, names=None) -> dict:
         fits, launch = kernels._KERNELS[name]
         monkeypatch.setitem(kernels._KERNELS, name, (fits, counted(name, launch)))
     return calls
+
+
+def corrupt_logits(logits: torch.Tensor, oracle: torch.Tensor | None = None) -> torch.Tensor:
+    """What a broken drafter returns, [..., V]: each row (one depth of one batch row) on its own is the oracle's
+    (tokens the target will commit, when given; else the drafter's own), the drafter's own, or broken: all NaN, a
+    few NaN, +inf here and there, all -inf, +-3e38 (inf in fp16), all equal, or spots of NaN / +-inf / +-3e38 over
+    the oracle's row. Tensor ops on the default generator, no host sync: a CUDA graph captures it, and each replay
+    draws anew."""
+    x = logits.float()
+    good = x if oracle is None else oracle.float()
+    kind = torch.randint(0, 12, (*x.shape[:-1], 1), device=x.device)        # [..., 1] one kind per row
+    u = torch.rand(x.shape, device=x.device)                                 # [..., V]
+    spot = torch.randint(0, 5, x.shape, device=x.device)                    # [..., V]
+    nan, inf = float("nan"), float("inf")
+    spots = torch.where(spot == 0, nan, torch.where(spot == 1, inf, torch.where(spot == 2, -inf, torch.where(
+        spot == 3, 3e38, -3e38))))
+    rows = [good, good, good, good, x,
+            torch.full_like(x, nan), torch.where(u < 0.02, nan, good), torch.where(u < 0.05, inf, good),
+            torch.full_like(x, -inf), torch.where(u < 0.5, 3e38, -3e38), torch.full_like(x, 7.0),
+            torch.where(u < 0.1, spots, good)]
+    out = x
+    for k, row in enumerate(rows):
+        out = torch.where(kind == k, row, out)
+    return out.to(logits.dtype)
+
+
+class HostileDrafter:
+    """A drafter (the real DFlash module) whose logits corrupt_logits breaks at random places; everything else is
+    the drafter's own. reference [B, S] int64 on the drafter's device (optional): each row's prompt and its
+    autoregressive continuation, the oracle that lets steps accept drafts between the broken rows (the drafter
+    places the block's last committed token at ctx_len + n_valid)."""
+
+    def __init__(self, drafter, reference: torch.Tensor | None = None):
+        self.drafter, self.reference = drafter, reference
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def draft_logits(self, target, last_token, ctx_feats, ctx_len, n_valid):
+        x = self.drafter.draft_logits(target, last_token, ctx_feats, ctx_len, n_valid)          # [B, L, V]
+        oracle = None
+        if self.reference is not None:
+            B, L, V = x.shape
+            pos = (ctx_len + n_valid)[:, None] + torch.arange(1, L + 1, device=x.device)      # [B, L]
+            tok = self.reference[:B].gather(1, pos.clamp(max=self.reference.shape[1] - 1))    # [B, L]
+            oracle = torch.where(torch.arange(V, device=x.device) == tok[..., None], 10.0, 0.0)   # [B, L, V]
+        return corrupt_logits(x, oracle)
+
+
+def nan_logits_where(model, monkeypatch, bad) -> None:
+    """The model's logits become NaN where bad(tokens, positions) [B, T] bool holds, positions as the model places
+    the tokens; nothing else changes (no NaN reaches a cache). Tensor ops: a CUDA graph captures it."""
+    forward = model.forward
+
+    def patched(tokens, start_pos=None, positions=None, last_only=False, **kw):
+        res = forward(tokens, start_pos=start_pos, positions=positions, last_only=last_only, **kw)
+        logits = res[0] if isinstance(res, tuple) else res
+        if positions is None:
+            start = torch.as_tensor(0 if start_pos is None else start_pos, device=tokens.device)
+            positions = start.view(-1, 1) + torch.arange(tokens.shape[1], device=tokens.device)      # [B, T]
+        where = bad(tokens, positions.expand_as(tokens))[..., None]                              # [B, T, 1]
+        logits = logits.masked_fill(where[:, -1:] if last_only else where, float("nan"))
+        return (logits, *res[1:]) if isinstance(res, tuple) else logits
+    monkeypatch.setattr(model, "forward", patched)
