@@ -1640,6 +1640,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--budgets must be >= 1 or auto, got {a.budgets}")
     if "auto" in a.budgets and (a.mode != "e2e" or a.batch):
         p.error("--budgets auto: e2e only (not --batch)")
+    if a.out:           # checked before any work, not after it (the JSON, then the plot next to it)
+        from cli import check_output_path
+        if os.path.splitext(a.out)[1].lower() == ".png":
+            p.error(f"--out {a.out}: the plot is written next to the JSON as <name>.png; name the JSON <name>.json")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+            check_output_path("--out", a.out)
+        except (OSError, ValueError) as e:
+            p.error(str(e) if isinstance(e, ValueError) else f"--out {a.out}: cannot create its directory ({e})")
     return a
 
 
