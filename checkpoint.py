@@ -55,7 +55,8 @@ _REQUIRED = object()
 
 
 def _show(value) -> str:
-    r = repr(value)
+    """A config value as its file spells it (true, null), numbers and strings as Python prints them, cut short."""
+    r = json.dumps(value) if isinstance(value, bool) or value is None else repr(value)
     return r if len(r) <= 60 else r[:57] + "..."
 
 

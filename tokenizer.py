@@ -63,6 +63,7 @@ PAT = "|".join([
 ])
 
 NUM_RESERVED_SPECIAL_TOKENS = 256  # K2.5/K2.6 build exactly 256 special ids (K2 built 258), n_vocab = N + 256
+MAX_SPECIAL_TOKENS = 65536         # special ids lie in [N, N + this): each id up to the last named one is built
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 # Kimi's encode() feeds tiktoken at most 400k chars at a time and cuts runs of > 25k whitespace or
@@ -160,6 +161,9 @@ def load_special_names(path: str | Path, num_base: int) -> dict[int, str]:
             raise ValueError(f"{path}: field {field}.content is missing or not a non-empty string")
         if int(key) < num_base:  # would shadow a BPE rank
             raise ValueError(f"{path}: field {field}: id {key} is below num_base_tokens={num_base}")
+        if int(key) >= num_base + MAX_SPECIAL_TOKENS:   # every id up to it gets a name: bounded
+            raise ValueError(f"{path}: field {field}: id {key} is past num_base_tokens + {MAX_SPECIAL_TOKENS} "
+                             f"= {num_base + MAX_SPECIAL_TOKENS}")
         if entry["content"] in names.values():
             raise ValueError(f"{path}: field {field}: name {entry['content']!r} is used twice")
         names[int(key)] = entry["content"]
