@@ -52,6 +52,7 @@ def check_dir(path: str) -> None:
 
 
 _REQUIRED = object()
+FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38   # the compute dtype's range
 
 
 def _show(value) -> str:
@@ -113,11 +114,12 @@ class Fields:
 
     def number(self, key: str, default=_REQUIRED, min: float | None = None, above: float | None = None,
                below: float | None = None, why: str = "") -> float:
-        """A finite number (an integer or a float), at least min / more than above / less than below."""
+        """A finite number (an integer or a float, finite in float32 too: the values enter fp32 math), at least
+        min / more than above / less than below."""
         if not self.has(key):
             return self.get(key, default)
         v = self.obj[key]
-        ok = isinstance(v, (int, float)) and type(v) is not bool and math.isfinite(v)
+        ok = isinstance(v, (int, float)) and type(v) is not bool and math.isfinite(v) and abs(v) <= FLOAT32_MAX
         ok = ok and (min is None or v >= min) and (above is None or v > above) and (below is None or v < below)
         if not ok:
             rng = " and ".join(s for s in (min is not None and f">= {min:g}", above is not None and f"> {above:g}",
@@ -305,7 +307,8 @@ def model_args(path_or_dict) -> M.ModelArgs:
         first_k_dense_replace=f.int("first_k_dense_replace", min=0, max=layers, why=f"num_hidden_layers = {layers}"),
         moe_layer_freq=f.int("moe_layer_freq", 1),    # absent in transformers' config class: 1 = every layer
         norm_topk_prob=f.flag("norm_topk_prob"), routed_scaling_factor=f.number("routed_scaling_factor", above=0),
-        rms_norm_eps=f.number("rms_norm_eps", above=0, below=1), rope_theta=theta,
+        rms_norm_eps=f.number("rms_norm_eps", min=FLOAT32_TINY, below=1, why="not 0 in float32"),
+        rope_theta=theta,
         max_position_embeddings=f.int("max_position_embeddings"), rope_type=rope_type,
         num_nextn_predict_layers=f.int("num_nextn_predict_layers", 0, min=0),
         tie_word_embeddings=either("tie_word_embeddings").flag("tie_word_embeddings", False),

@@ -69,7 +69,7 @@ def check_args(a: argparse.Namespace) -> None:
     a.prompt_texts = None
     if a.prompts is not None:
         text = read_text("--prompts", a.prompts, "a text file with one prompt per line")
-        a.prompt_texts = [line for line in text.split("\n") if line.strip()]
+        a.prompt_texts = [line for line in universal_newlines(text).split("\n") if line.strip()]
         if not a.prompt_texts:
             raise ValueError(f"--prompts {a.prompts}: no prompts (one per line)")
     for flag, on in (("--chain", a.chain), ("--trace", a.trace)):
@@ -125,6 +125,11 @@ def decode_text(where: str, data: bytes, want: str) -> str:
     return text
 
 
+def universal_newlines(text: str) -> str:
+    """\r\n and \r as \n, as Python's text files read them."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def check_output_path(flag: str, path: str) -> None:
     """Before any work: `path` can be written (its directory exists, it is not a directory, it may be created or
     overwritten). The probe creates the file and removes it again if it was not there."""
@@ -146,18 +151,20 @@ def check_output_path(flag: str, path: str) -> None:
 def check_cache_memory(a, margs: M.ModelArgs, dargs, device: torch.device, dtype: torch.dtype, batch: int) -> None:
     """--max-seq-len sizes the KV caches up front: refuse one that cannot fit, before the weights load."""
     import draft as D
-    need = math.prod(M.Transformer.cache_shape(margs, batch, a.max_seq_len)) + (
-        math.prod(D.DFlashDrafter.cache_shape(dargs, batch, a.max_seq_len, dargs.num_key_value_heads // M.world_size))
-        if dargs else 0)
-    need *= dtype.itemsize
+    target = math.prod(M.Transformer.cache_shape(margs, batch, a.max_seq_len)) * dtype.itemsize
+    drafter = math.prod(D.DFlashDrafter.cache_shape(dargs, batch, a.max_seq_len, dargs.num_key_value_heads
+                                                    // M.world_size)) * dtype.itemsize if dargs else 0
+    need = target + drafter
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:      # Linux's MemAvailable (it counts the page cache the kernel would give back); elsewhere unknown
         meminfo = open("/proc/meminfo").read().splitlines() if os.path.exists("/proc/meminfo") else []
         free = next((int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")), float("inf"))
     if need > free:
+        of = ", ".join([f"target {target / 2**30:.1f} GiB"] + [f"drafter {drafter / 2**30:.1f} GiB"] * bool(dargs)
+                       + [f"{batch} prompts"] * (batch > 1))
         raise ValueError(f"--max-seq-len {a.max_seq_len}: the KV caches need {need / 2**30:.1f} GiB, but {device} "
-                         f"has {free / 2**30:.1f} GiB free; lower --max-seq-len")
+                         f"has {free / 2**30:.1f} GiB free ({of}); lower --max-seq-len")
 
 
 def main(argv=None) -> int:
@@ -203,6 +210,8 @@ def _main(a: argparse.Namespace) -> int:
     dargs = D.DraftArgs.from_config(a.draft) if a.draft and a.budget != 0 else None
     if dargs is not None:
         D.check_compatible(dargs, margs)
+        if not C.is_random(a.draft):
+            D.check_layer_count(dargs, a.draft)
         D.check_tp_divisibility(dargs, M.world_size)           # before the target loads, not after
         if dargs.block_size > MAX_BUDGET + 1:
             raise ValueError(f"drafter {a.draft}: block_size = {dargs.block_size}, more than this engine drafts "
@@ -230,7 +239,7 @@ def _main(a: argparse.Namespace) -> int:
     else:
         raw = getattr(sys.stdin, "buffer", None)              # bytes, so that binary input gets a clear error
         text = a.prompt if a.prompt is not None else \
-            decode_text("stdin", raw.read(), "a prompt") if raw else sys.stdin.read()
+            universal_newlines(decode_text("stdin", raw.read(), "a prompt")) if raw else sys.stdin.read()
         prompts = [encode(text)]
     for i, p in enumerate(prompts):
         G.check_prompt(p, margs.vocab_size, a.max_seq_len, f"prompt {i}: " if len(prompts) > 1 else "")

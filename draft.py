@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -443,7 +444,7 @@ def _draft_args_from_dict(cfg: dict, where: str) -> DraftArgs:
     args = DraftArgs(
         hidden_size=hidden, intermediate_size=f.int("intermediate_size"),
         num_hidden_layers=f.int("num_hidden_layers"), num_attention_heads=n_heads, num_key_value_heads=n_kv,
-        head_dim=head_dim, rms_norm_eps=f.number("rms_norm_eps", above=0, below=1), rope_theta=theta,
+        head_dim=head_dim, rms_norm_eps=f.number("rms_norm_eps", min=C.FLOAT32_TINY, below=1), rope_theta=theta,
         max_position_embeddings=max_pos,
         # the block's positions follow the context: a block longer than the positions can never be drafted
         block_size=f.int("block_size", min=2, max=max_pos, why=f"max_position_embeddings = {max_pos}"),
@@ -504,6 +505,24 @@ def _param_name(name: str) -> str:
     return name
 
 
+def check_layer_count(args: DraftArgs, path: str) -> None:
+    """config.json's num_hidden_layers against the layers the checkpoint's tensor names hold (headers only),
+    before the drafter is built: a count that is too high or too low is named with the file."""
+    layers = {}
+    for name, fname in C.tensor_names(path):
+        m = re.match(r"layers\.(\d+)\.", _param_name(name))
+        if m:
+            layers.setdefault(int(m[1]), (name, fname))
+    n, top = args.num_hidden_layers, max(layers, default=-1)
+    where = os.path.join(path, "config.json")
+    if top >= n:
+        raise CheckpointError(f"{where}: num_hidden_layers = {n}, but tensor {layers[top][0]} in {layers[top][1]} "
+                              f"is of layer {top}")
+    if top < n - 1:
+        raise CheckpointError(f"{where}: num_hidden_layers = {n}, but the checkpoint holds tensors of layers "
+                              f"0..{top} only")
+
+
 @torch.no_grad()
 def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None, dtype=None) -> DFlashDrafter:
     """Read config.json, check it against the target and the TP size (before loading anything), build the
@@ -512,6 +531,7 @@ def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
     args = DraftArgs.from_config(path)
     if target_args is not None:
         check_compatible(args, target_args)
+    check_layer_count(args, path)
     # allocated in the final dtype (no fp32 copy of a 3.5B model); the constructor checks the TP divisibility first
     drafter = C.build(lambda: DFlashDrafter(args), device or "cpu", dtype or torch.get_default_dtype())
     params, loaded = dict(drafter.named_parameters()), set()

@@ -137,7 +137,7 @@ def load_tiktoken_model(path: str | Path) -> dict[bytes, int]:
 def _read_json(path: Path) -> dict:
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:    # RecursionError: nested too deep
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: expected a JSON object at the top level")
@@ -719,7 +719,13 @@ class Tokenizer:
         return ids
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        return self.enc.decode_bytes(list(ids))
+        """The bytes of ids. An id past the tokenizer (a model whose vocabulary is padded past it may sample one)
+        reads as <|id N: not in the tokenizer|>, never an error in the middle of a stream."""
+        ids, n = list(ids), self.vocab_size
+        if all(0 <= i < n for i in ids):
+            return self.enc.decode_bytes(ids)
+        return b"".join(self.enc.decode_bytes([i]) if 0 <= i < n else f"<|id {i}: not in the tokenizer|>".encode()
+                        for i in ids)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")

@@ -96,9 +96,11 @@ def no_loading(monkeypatch):
 NAN, INF = float("nan"), float("inf")
 
 TARGET_CASES = [   # (field path, bad value, words the error must hold)
-    ("rms_norm_eps", -1e-5, "a finite number > 0 and < 1"),
-    ("rms_norm_eps", NAN, "a finite number > 0"),
-    ("rms_norm_eps", 0, "> 0"),
+    ("rms_norm_eps", -1e-5, "a finite number >= 1.17549e-38 and < 1 (not 0 in float32)"),
+    ("rms_norm_eps", NAN, "rms_norm_eps = nan: expected a finite number"),
+    ("rms_norm_eps", 0, "rms_norm_eps = 0"),
+    ("rms_norm_eps", 1e-300, "rms_norm_eps = 1e-300"),          # 0 once in float32
+    ("routed_scaling_factor", 1e300, "routed_scaling_factor = 1e+300"),   # inf once in float32
     ("routed_scaling_factor", NAN, "a finite number > 0"),
     ("routed_scaling_factor", INF, "a finite number > 0"),
     ("routed_scaling_factor", -2.8, "> 0"),
@@ -339,6 +341,19 @@ def test_bad_tensor_dtype_and_shape(ckpt, tmp_path, suffix, fn, words):
     assert name in str(e.value) and words in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("layers,words", [(10**9, "num_hidden_layers = 1000000000, but the checkpoint holds tensors "
+                                                    "of layers 0..1 only"),
+                                          (1, "num_hidden_layers = 1, but tensor layers.1.")])
+def test_drafter_layer_count_against_its_tensors(ckpt, tmp_path, capsys, monkeypatch, layers, words):
+    """A drafter config with more layers than its tensors (10^9 used to start building them) or fewer."""
+    draft = tmp_path / "draft"
+    shutil.copytree(ckpt / "draft", draft)
+    edit_json(draft / "config.json", lambda c: c.update(num_hidden_layers=layers))
+    no_loading(monkeypatch)
+    code, _, err = run_cli(capsys, "--ckpt", ckpt, "--draft", draft, "--prompt-ids", "1,2", "--quiet")
+    assert one_line(code, err, str(draft / "config.json"), words), err
+
+
 def test_truncated_drafter_shard_is_named(ckpt, tmp_path, capsys):
     draft = tmp_path / "draft"
     shutil.copytree(ckpt / "draft", draft)
@@ -375,6 +390,23 @@ def test_chat_markup_missing_from_the_tokenizer(ckpt, tmp_path, capsys):
     tok = Tokenizer.from_dir(ckpt)
     ids = tok.apply_chat_template([{"role": "user", "content": "<|made_up|> [BOS]"}])
     assert "<|made_up|> [BOS]" in tok.decode(ids)
+
+
+def test_id_past_the_tokenizer_decodes_visibly(ckpt):
+    """A model whose vocabulary is padded past the tokenizer may sample an id the tokenizer lacks: the stream
+    shows it instead of stopping with a KeyError."""
+    tok = Tokenizer.from_dir(ckpt)
+    text = tok.decode([65, tok.vocab_size + 3, 66])
+    assert text == f"A<|id {tok.vocab_size + 3}: not in the tokenizer|>B"
+    dec = tk.StreamDecoder(tok)
+    assert dec.push([65]) + dec.push([tok.vocab_size]) + dec.flush() == tok.decode([65, tok.vocab_size])
+
+
+def test_deeply_nested_tokenizer_json(ckpt, tmp_path):
+    d = tokenizer_dir(ckpt, tmp_path)
+    (d / "generation_config.json").write_text("[" * 100000)
+    with pytest.raises(ValueError, match="generation_config.json: not valid JSON"):
+        Tokenizer.from_dir(d)
 
 
 def test_special_token_id_far_past_the_vocab(tmp_path):
@@ -534,6 +566,17 @@ def test_prompts_device_and_pipe(ckpt, tmp_path, capsys, monkeypatch):
     assert code == 0 and "2 prompts" in out, err
 
 
+def test_prompts_file_with_crlf_lines(ckpt, tmp_path, capsys, monkeypatch):
+    """Windows line ends split prompts as Python's text files do: no prompt ends in \\r."""
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"a\r\nb\rc\n")
+    seen = []
+    monkeypatch.setattr(G, "generate_batch", lambda target, prompts, *a, **k: seen.extend(prompts) or [])
+    code, out, err = run_cli(capsys, "--ckpt", ckpt, "--prompts", f, "--raw", "--quiet")
+    tok = Tokenizer.from_dir(ckpt)
+    assert code == 0 and [tok.decode(p) for p in seen] == ["a", "b", "c"], (err, seen)
+
+
 def test_binary_stdin(ckpt, capsys, monkeypatch):
     import io
 
@@ -558,6 +601,39 @@ def test_worst_legal_looking_flags(ckpt, capsys, monkeypatch, argv, words):
     no_loading(monkeypatch)
     code, _, err = run_cli(capsys, "--ckpt", ckpt, "--prompt-ids", "1", "--quiet", *argv)
     assert one_line(code, err, words), err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["e2e", "--temperature", "nan"], "--temperature must be finite numbers >= 0, got [nan]"),
+    (["e2e", "--temperature", ","], "--temperature"),
+    (["e2e", "--batch", "0"], "--batch must be batch sizes >= 1"),
+    (["e2e", "--n-prompts", "-1"], "--n-prompts must be >= 0"),
+    (["e2e", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["e2e", "--max-seq-len", "-5"], "--max-seq-len"),
+    (["e2e", "--warmup", "-2"], "--warmup"),
+    (["e2e", "--budgets", ","], "--budgets must be at least one budget"),
+    (["e2e", "--prompts", "/dev/zero"], "--prompts /dev/zero: expected a prompt set file"),
+    (["step", "--step-modes", "fast"], "--step-modes must be among"),
+    (["step", "--step-budgets", "-1"], "--step-budgets"),
+    (["layers", "--ctx", "0"], "--ctx"),
+    (["layers", "--allreduce-us", "inf"], "--allreduce-us"),
+    (["tree", "--vocab", "0"], "--vocab must be >= 2, got 0"),
+    (["tree", "--tree-depth", "0"], "--tree-depth"),
+    (["tree", "--seed", "-1"], "--seed"),
+])
+def test_bench_flags_checked_first(capsys, argv, words):
+    """bench.py's flags at their worst (a NaN temperature used to end in StopIteration, --batch 0 in a division
+    by zero, --n-prompts -1 to drop the last prompt): refused by the parser, naming the flag."""
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and words in err and "Traceback" not in err, err
+
+
+def test_bench_error_from_the_shell():
+    r = subprocess.run([sys.executable, "bench.py", "e2e", "--ckpt", "/nonexistent/path"], cwd=ROOT, env=CPU_ENV,
+                       capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
+    assert one_line(r.returncode, r.stderr, "/nonexistent/path not found"), r.stderr
 
 
 # ----------------------------------------------------------------------------------------------
