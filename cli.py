@@ -176,6 +176,12 @@ def main(argv=None) -> int:
     try:
         a = build_parser().parse_args(argv)
         rc = _main(a)
+    except BrokenPipeError:      # the reader closed stdout (`| head`): stop quietly, as a shell tool does
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # nothing left to flush at exit
+        except (OSError, ValueError, AttributeError):
+            pass
+        rc = 141
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         if a is not None and a.debug:
             raise

@@ -735,6 +735,24 @@ def test_sigint_from_the_shell(ckpt, tmp_path):
     assert b"tokens in" not in seen + out and page.exists() and "DDTree trace" in page.read_text()
 
 
+def test_stdout_closed_by_the_reader():
+    """`generate.py ... | head -c 20`: the process stops quietly when its reader goes (exit 141, as a shell tool
+    killed by SIGPIPE), no 'Broken pipe' error, no 'Exception ignored' at exit."""
+    p = subprocess.Popen([sys.executable, "-u", "generate.py", "--raw", "--prompt", "def f(x):", "--max-new-tokens",
+                          "400", "--quiet"], cwd=ROOT, env=CPU_ENV, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        os.read(p.stdout.fileno(), 20)
+        p.stdout.close()
+        err = p.stderr.read().decode()
+        p.wait(timeout=240)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 141 and err.strip() == "", (p.returncode, err)
+
+
 # ----------------------------------------------------------------------------------------------
 # docs/FAULTS.md: every row names a test of this file that exists
 
