@@ -407,22 +407,24 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 
 def _draft_args_from_dict(cfg: dict, where: str) -> DraftArgs:
-    """A DFlash config.json -> DraftArgs, every field checked for its type and range (checkpoint.Fields: an error
-    names the file and the field)."""
+    """A DFlash config.json -> DraftArgs, every field checked for its type and range
+    (checkpoint.Fields: an error names the file and the field)."""
     f = C.Fields(cfg, where)
     dcfg = f.sub("dflash_config")
-    dflash = lambda key: dcfg if dcfg.has(key) or not f.has(key) else f   # dflash_config first, as upstream
+    # a DFlash field: dflash_config's, else the top level's (as upstream reads it)
+    dflash = lambda key: dcfg if dcfg.has(key) or not f.has(key) else f
     f.choice("model_type", ("qwen3",), "qwen3")
     archs = f.get("architectures", [])
     if not isinstance(archs, list) or [a for a in archs if a != "DFlashDraftModel"]:
-        raise f.bad("architectures", archs, "['DFlashDraftModel'] (no other architecture is supported)")
+        raise f.bad("architectures", archs, "['DFlashDraftModel'] (no other is supported)")
     f.choice("hidden_act", ("silu",), "silu")
     layer_types = f.get("layer_types", [])
     if not isinstance(layer_types, list) or [t for t in layer_types if t != "full_attention"] \
             or f.flag("use_sliding_window", False):
-        raise f.bad("layer_types", layer_types, "only 'full_attention' (sliding-window drafter layers are not "
-                                                "supported)")
-    dflash("is_causal").choice("is_causal", (False,), False, why="DFlash blocks attend non-causally")
+        raise f.bad("layer_types", layer_types,
+                    "only 'full_attention' (sliding-window drafter layers are not supported)")
+    dflash("is_causal").choice("is_causal", (False,), False,
+                               why="DFlash blocks attend non-causally")
 
     rope, theta, rope_type = C.rope_fields(f)
     rope.choice("partial_rotary_factor", (1.0, 1), 1.0)
@@ -435,28 +437,29 @@ def _draft_args_from_dict(cfg: dict, where: str) -> DraftArgs:
     if n_heads % n_kv:
         raise f.bad("num_key_value_heads", n_kv, f"a divisor of num_attention_heads = {n_heads}")
     if not f.has("head_dim") and hidden % n_heads:
-        raise ValueError(f"{where}: field head_dim is missing, and hidden_size = {hidden} is not a multiple of "
-                         f"num_attention_heads = {n_heads}")
+        raise ValueError(f"{where}: field head_dim is missing, and hidden_size = {hidden} is not "
+                         f"a multiple of num_attention_heads = {n_heads}")
     head_dim = f.int("head_dim", hidden // n_heads, min=2)
     if head_dim % 2:
         raise f.bad("head_dim", head_dim, "an even integer (rope rotates pairs)")
     max_pos = f.int("max_position_embeddings")
-    args = DraftArgs(
+    scale = lambda key, default: dflash(key).number(key, default, above=0)
+    return DraftArgs(
         hidden_size=hidden, intermediate_size=f.int("intermediate_size"),
-        num_hidden_layers=f.int("num_hidden_layers"), num_attention_heads=n_heads, num_key_value_heads=n_kv,
-        head_dim=head_dim, rms_norm_eps=f.number("rms_norm_eps", min=C.FLOAT32_TINY, below=1), rope_theta=theta,
+        num_hidden_layers=f.int("num_hidden_layers"), num_attention_heads=n_heads,
+        num_key_value_heads=n_kv, head_dim=head_dim,
+        rms_norm_eps=f.number("rms_norm_eps", min=C.FLOAT32_TINY, below=1), rope_theta=theta,
         max_position_embeddings=max_pos,
-        # the block's positions follow the context: a block longer than the positions can never be drafted
-        block_size=f.int("block_size", min=2, max=max_pos, why=f"max_position_embeddings = {max_pos}"),
+        # the block's positions follow the context: a block past the positions is never drafted
+        block_size=f.int("block_size", min=2, max=max_pos,
+                         why=f"max_position_embeddings = {max_pos}"),
         num_target_layers=f.int("num_target_layers"),
         mask_token_id=dflash("mask_token_id").int("mask_token_id", min=0),
         target_layer_ids=dflash("target_layer_ids").ints("target_layer_ids"),
-        vocab_size=f.int("vocab_size", None), attention_bias=f.flag("attention_bias", False), rope_type=rope_type,
-        input_embedding_scale=dflash("input_embedding_scale").number("input_embedding_scale", 1.0, above=0),
-        output_multiplier=dflash("output_multiplier").number("output_multiplier", 1.0, above=0),
-        final_logit_softcapping=dflash("final_logit_softcapping").number("final_logit_softcapping", None, above=0),
-        **yarn)
-    return args
+        vocab_size=f.int("vocab_size", None), attention_bias=f.flag("attention_bias", False),
+        rope_type=rope_type, input_embedding_scale=scale("input_embedding_scale", 1.0),
+        output_multiplier=scale("output_multiplier", 1.0),
+        final_logit_softcapping=scale("final_logit_softcapping", None), **yarn)
 
 
 def check_compatible(d: DraftArgs, t: M.ModelArgs) -> None:
@@ -480,8 +483,8 @@ def check_compatible(d: DraftArgs, t: M.ModelArgs) -> None:
     if not 0 <= d.mask_token_id < t.vocab_size:
         raise ValueError(f"drafter mask_token_id = {d.mask_token_id} is outside the target vocab_size = {t.vocab_size}")
     if d.block_size > t.max_position_embeddings:
-        raise ValueError(f"drafter block_size = {d.block_size} is more than the target's max_position_embeddings = "
-                         f"{t.max_position_embeddings}")
+        raise ValueError(f"drafter block_size = {d.block_size} is more than the target's "
+                         f"max_position_embeddings = {t.max_position_embeddings}")
 
 
 def check_tp_divisibility(a: DraftArgs, ws: int) -> None:
@@ -506,8 +509,8 @@ def _param_name(name: str) -> str:
 
 
 def check_layer_count(args: DraftArgs, path: str) -> None:
-    """config.json's num_hidden_layers against the layers the checkpoint's tensor names hold (headers only),
-    before the drafter is built: a count that is too high or too low is named with the file."""
+    """config.json's num_hidden_layers against the layers the checkpoint's tensor names hold
+    (headers only), before the drafter is built: a count too high or too low names the file."""
     layers = {}
     for name, fname in C.tensor_names(path):
         m = re.match(r"layers\.(\d+)\.", _param_name(name))
@@ -516,11 +519,12 @@ def check_layer_count(args: DraftArgs, path: str) -> None:
     n, top = args.num_hidden_layers, max(layers, default=-1)
     where = os.path.join(path, "config.json")
     if top >= n:
-        raise CheckpointError(f"{where}: num_hidden_layers = {n}, but tensor {layers[top][0]} in {layers[top][1]} "
-                              f"is of layer {top}")
+        name, fname = layers[top]
+        raise CheckpointError(f"{where}: num_hidden_layers = {n}, but tensor {name} in {fname} is "
+                              f"of layer {top}")
     if top < n - 1:
-        raise CheckpointError(f"{where}: num_hidden_layers = {n}, but the checkpoint holds tensors of layers "
-                              f"0..{top} only")
+        raise CheckpointError(f"{where}: num_hidden_layers = {n}, but the checkpoint holds tensors "
+                              f"of layers 0..{top} only")
 
 
 @torch.no_grad()
