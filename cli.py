@@ -199,7 +199,6 @@ def main(argv=None) -> int:
 
 
 def _main(a: argparse.Namespace) -> int:
-    import draft as D
     from tokenizer import StreamDecoder, Tokenizer
     from trace_page import Trace
     check_args(a)
@@ -208,21 +207,8 @@ def _main(a: argparse.Namespace) -> int:
         a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if a.no_triton:
         kernels.ENABLED = False
-    # everything that can be checked before the weights load: configs, their tensors' shapes, the drafter, the
-    # caches' memory, the tokenizer, the prompts and the chat template
-    margs = M.ModelArgs.from_config(a.ckpt)
-    if not C.is_random(a.ckpt):
-        C.check_checkpoint(margs, a.ckpt)
-    dargs = D.DraftArgs.from_config(a.draft) if a.draft and a.budget != 0 else None
-    if dargs is not None:
-        D.check_compatible(dargs, margs)
-        if not C.is_random(a.draft):
-            D.check_layer_count(dargs, a.draft)
-        D.check_tp_divisibility(dargs, M.world_size)           # before the target loads, not after
-        if dargs.block_size > MAX_BUDGET + 1:
-            raise ValueError(f"drafter {a.draft}: block_size = {dargs.block_size}, more than this engine drafts "
-                             f"and verifies in one step ({MAX_BUDGET + 1})")
-    check_cache_memory(a, margs, dargs, device, dtype, len(a.prompt_texts or [0]))
+    # everything that can be checked comes before the weights load: configs and tensors, caches, tokenizer, prompts
+    margs, dargs = check_models(a, device, dtype)
     tokenizer = (C.IdTokenizer() if C.is_random(a.ckpt) and a.tokenizer is None
                  else Tokenizer.from_dir(a.tokenizer or a.ckpt))
     if tokenizer.vocab_size > margs.vocab_size:
@@ -230,23 +216,9 @@ def _main(a: argparse.Namespace) -> int:
                          f"vocab_size is {margs.vocab_size}")
     chat_kw = {} if a.thinking is None else {"thinking": a.thinking}    # unset: the template's own default
     system = [{"role": "system", "content": a.system}] if a.system is not None else []
-    encode = tokenizer.encode if a.raw else (
-        lambda text: tokenizer.apply_chat_template(system + [{"role": "user", "content": text}], **chat_kw))
-    chat = a.prompt_texts is None and a.prompt_ids is None and a.prompt is None and sys.stdin.isatty()
-    text = None
-    if a.prompt_texts:
-        prompts = [encode(t) for t in a.prompt_texts]
-    elif a.prompt_ids is not None:
-        prompts = [a.prompt_ids]
-    elif chat:
-        # the chat template renders, with every markup token it writes, before the load
-        tokenizer.apply_chat_template(system + [{"role": "user", "content": "hi"}], **chat_kw)
-        prompts = []
-    else:
-        raw = getattr(sys.stdin, "buffer", None)              # bytes, so that binary input gets a clear error
-        text = a.prompt if a.prompt is not None else \
-            universal_newlines(decode_text("stdin", raw.read(), "a prompt")) if raw else sys.stdin.read()
-        prompts = [encode(text)]
+    chat_ids = lambda history: tokenizer.apply_chat_template(system + history, **chat_kw)
+    encode = tokenizer.encode if a.raw else (lambda text: chat_ids([{"role": "user", "content": text}]))
+    prompts, text, chat = read_prompts(a, encode, chat_ids)
     for i, p in enumerate(prompts):
         G.check_prompt(p, margs.vocab_size, a.max_seq_len, f"prompt {i}: " if len(prompts) > 1 else "")
 
@@ -304,6 +276,44 @@ def _main(a: argparse.Namespace) -> int:
             M.print0(text if a.raw else "", end="\n" if a.show_tree else "")   # a raw prompt: the text continues it
         run(prompts[0])
     return 0
+
+
+def check_models(a, device: torch.device, dtype: torch.dtype) -> tuple:
+    """The target's and the drafter's configs, each against its tensors (names and shapes, no data read), against
+    each other and this engine, and the memory their KV caches need: before any weight loads.
+    Returns (ModelArgs, DraftArgs or None when nothing is drafted)."""
+    import draft as D
+    margs = M.ModelArgs.from_config(a.ckpt)
+    if not C.is_random(a.ckpt):
+        C.check_checkpoint(margs, a.ckpt)
+    dargs = D.DraftArgs.from_config(a.draft) if a.draft and a.budget != 0 else None
+    if dargs is not None:
+        D.check_compatible(dargs, margs)
+        if not C.is_random(a.draft):
+            D.check_layer_count(dargs, a.draft)
+        D.check_tp_divisibility(dargs, M.world_size)
+        if dargs.block_size > MAX_BUDGET + 1:
+            raise ValueError(f"drafter {a.draft}: block_size = {dargs.block_size}, more than this engine drafts "
+                             f"and verifies in one step ({MAX_BUDGET + 1})")
+    check_cache_memory(a, margs, dargs, device, dtype, len(a.prompt_texts or [0]))
+    return margs, dargs
+
+
+def read_prompts(a, encode, chat_ids) -> tuple[list[list[int]], str | None, bool]:
+    """The prompts as token ids, before the weights load (a bad prompt, stdin or chat template is found first):
+    (prompts, the prompt's text when it is one text, whether to chat). A chat has no prompt yet: its template is
+    rendered once, so that a broken one, or markup the tokenizer lacks, is found now."""
+    if a.prompt_texts:
+        return [encode(t) for t in a.prompt_texts], None, False
+    if a.prompt_ids is not None:
+        return [a.prompt_ids], None, False
+    if a.prompt is None and sys.stdin.isatty():
+        chat_ids([{"role": "user", "content": "hi"}])
+        return [], None, True
+    raw = getattr(sys.stdin, "buffer", None)                   # bytes, so that binary input gets a clear error
+    text = a.prompt if a.prompt is not None else \
+        universal_newlines(decode_text("stdin", raw.read(), "a prompt")) if raw else sys.stdin.read()
+    return [encode(text)], text, False
 
 
 def write_trace(trace, path: str) -> None:
