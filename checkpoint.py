@@ -16,9 +16,11 @@ them with seeded random values that do not depend on the TP size (randomize_).
 
 Invariant: load_checkpoint fills every parameter of a model exactly once, with this rank's tensor-parallel slice
 (read with safetensors' get_slice, so a rank never holds the whole checkpoint), or raises CheckpointError naming
-the tensor and its file (a missing, unexpected, duplicate, misshapen, mistyped or non-finite tensor).
+the tensor and its file (a missing, unexpected, duplicate, misshapen, mistyped or non-finite tensor). Every config
+value is checked for its type and range where it is read (Fields), and load_model checks the config against the
+tensors present (check_checkpoint: names, dtypes, shapes) before it allocates anything.
 
-Tests: python -m pytest -q tests/test_model.py tests/test_int4_checkpoint.py tests/test_random.py
+Tests: python -m pytest -q tests/test_model.py tests/test_int4_checkpoint.py tests/test_random.py tests/test_faults.py
 """
 from __future__ import annotations
 

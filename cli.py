@@ -6,8 +6,9 @@ generate_batch) is generate.py; this file turns flags into its arguments and its
     torchrun --nproc-per-node 8 generate.py --ckpt random:k2.6 --prompt-ids 1,2,3 --cuda-graph   # no download
 
 Invariant: a user mistake (bad flag, path, config, prompt) is one line naming the flag or file, exit code 2, no
-traceback (--debug shows it), and it is caught before the weights load wherever it can be.
-Tests: python -m pytest -q tests/test_cli.py
+traceback (--debug shows it), and it is caught before the weights load wherever it can be. Ctrl-C is one line,
+exit code 130, after what was generated so far. Every case: docs/FAULTS.md.
+Tests: python -m pytest -q tests/test_cli.py tests/test_faults.py
 """
 from __future__ import annotations
 

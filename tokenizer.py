@@ -17,12 +17,14 @@ Invariants:
   counted and never hard-coded; ids N..N+255 are special, unnamed ones are `<|reserved_token_{id}|>`.
 * apply_chat_template(...) renders exactly the string transformers renders from the same template, and
   only the template's own markup becomes special ids: a special-token string inside a message, tool or
-  template argument is encoded as plain text.
+  template argument is encoded as plain text; markup the template writes that the tokenizer lacks is an error.
+* A render is bounded (time, output, work: MAX_RENDER_S etc.): any failure is one ValueError naming the
+  template's file and line.
 * StreamDecoder: "".join(push(...) for each chunk) + flush() == decode(all ids), and push never returns
   a half-finished UTF-8 character.
 
 Run:  python tokenizer.py /path/to/Kimi-K2.6 "你好, world"      (prints ids, pieces and a chat prompt)
-Test: python -m pytest -q tests/test_tokenizer.py
+Test: python -m pytest -q tests/test_tokenizer.py tests/test_faults.py
 """
 from __future__ import annotations
 
