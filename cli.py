@@ -113,7 +113,9 @@ def read_text(flag: str, path: str, want: str, limit: int = 1 << 30) -> str:
 
 
 def decode_text(where: str, data: bytes, want: str) -> str:
-    """UTF-8 bytes -> text; binary data (not UTF-8, or NUL bytes) is an error naming `where` and the line."""
+    """UTF-8 bytes -> text (a leading BOM dropped); binary data (not UTF-8, or NUL bytes) is an error naming
+    `where` and the line."""
+    data = data.removeprefix(b"\xef\xbb\xbf")     # a leading byte-order mark is no part of the text
     bad = data.find(b"\0")
     try:
         text = data.decode("utf-8")

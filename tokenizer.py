@@ -289,7 +289,11 @@ def load_chat_template(directory: str | Path) -> str | None:
     templates: the one named "default"), else None."""
     directory = Path(directory)
     if (directory / CHAT_TEMPLATE_FILE).is_file():
-        return (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+        try:
+            return (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{directory / CHAT_TEMPLATE_FILE}: not UTF-8 text ({e.reason} at byte {e.start})") \
+                from None
     path = directory / "tokenizer_config.json"
     template = _read_json(path).get("chat_template") if path.is_file() else None
     if isinstance(template, list):

@@ -402,6 +402,13 @@ def test_id_past_the_tokenizer_decodes_visibly(ckpt):
     assert dec.push([65]) + dec.push([tok.vocab_size]) + dec.flush() == tok.decode([65, tok.vocab_size])
 
 
+def test_binary_chat_template_is_named(ckpt, tmp_path):
+    d = tokenizer_dir(ckpt, tmp_path)
+    (d / "chat_template.jinja").write_bytes(b"{{ messages }}\xff\xfe")
+    with pytest.raises(ValueError, match=re.escape(f"{d / 'chat_template.jinja'}: not UTF-8 text")):
+        Tokenizer.from_dir(d)
+
+
 def test_deeply_nested_tokenizer_json(ckpt, tmp_path):
     d = tokenizer_dir(ckpt, tmp_path)
     (d / "generation_config.json").write_text("[" * 100000)
@@ -567,9 +574,10 @@ def test_prompts_device_and_pipe(ckpt, tmp_path, capsys, monkeypatch):
 
 
 def test_prompts_file_with_crlf_lines(ckpt, tmp_path, capsys, monkeypatch):
-    """Windows line ends split prompts as Python's text files do: no prompt ends in \\r."""
+    """Windows line ends split prompts as Python's text files do (no prompt ends in \\r), and a leading
+    byte-order mark is no part of the first prompt."""
     f = tmp_path / "p.txt"
-    f.write_bytes(b"a\r\nb\rc\n")
+    f.write_bytes(b"\xef\xbb\xbfa\r\nb\rc\n")          # a byte-order mark too, as Windows editors write
     seen = []
     monkeypatch.setattr(G, "generate_batch", lambda target, prompts, *a, **k: seen.extend(prompts) or [])
     code, out, err = run_cli(capsys, "--ckpt", ckpt, "--prompts", f, "--raw", "--quiet")
