@@ -56,9 +56,11 @@ def check_args(a: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {path}: no such checkpoint directory")
     if a.device:
         try:
-            torch.device(a.device)
+            kind = torch.device(a.device).type
         except RuntimeError:
-            raise ValueError(f"--device {a.device!r}: not a device (expected cpu, cuda or cuda:N)") from None
+            kind = None
+        if kind not in ("cpu", "cuda"):       # meta, mps, xpu...: this engine runs on CUDA GPUs or the CPU
+            raise ValueError(f"--device {a.device!r}: expected cpu, cuda or cuda:N")
     if a.device and a.device.startswith("cuda") and (torch.device(a.device).index or 0) >= torch.cuda.device_count():
         why = "this torch is a CPU-only build" if torch.version.cuda is None else "no such CUDA device is visible"
         raise ValueError(f"--device {a.device}: {why} (torch {torch.__version__}); use --device cpu")

@@ -601,7 +601,9 @@ def test_binary_stdin(ckpt, capsys, monkeypatch):
     (["--top-p", "nan"], "--top-p"),
     (["--seed", "-1"], "--seed must be in [0, 2^63), got -1"),
     (["--seed", str(2**70)], "--seed"),
-    (["--device", "tpu:0"], "--device 'tpu:0': not a device"),
+    (["--device", "tpu:0"], "--device 'tpu:0': expected cpu, cuda or cuda:N"),
+    (["--device", "meta"], "--device 'meta'"),                       # a model of shapes and no values
+    (["--device", "cuda:-1"], "--device 'cuda:-1'"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--budget", "1e3"], "argument --budget"),
 ])
