@@ -749,7 +749,7 @@ def test_stdout_closed_by_the_reader():
     """`generate.py ... | head -c 20`: the process stops quietly when its reader goes (exit 141, as a shell tool
     killed by SIGPIPE), no 'Broken pipe' error, no 'Exception ignored' at exit."""
     p = subprocess.Popen([sys.executable, "-u", "generate.py", "--raw", "--prompt", "def f(x):", "--max-new-tokens",
-                          "400", "--quiet"], cwd=ROOT, env=CPU_ENV, stdin=subprocess.DEVNULL,
+                          "2000", "--quiet"], cwd=ROOT, env=CPU_ENV, stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         os.read(p.stdout.fileno(), 20)
