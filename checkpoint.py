@@ -184,8 +184,17 @@ def read_config(path_or_dict, name: str = "config") -> tuple[dict, str]:
     return read_json(where), where
 
 
+MAX_JSON_BYTES = 1 << 28      # a config or index file, read whole: K2.6's index is ~10 MB
+
+
 def read_json(path: str) -> dict:
-    """A JSON file whose top level is an object; any other content is one error naming the file."""
+    """A JSON file whose top level is an object; any other content (a device, a huge file too) is one error
+    naming the file."""
+    if not os.path.isfile(path):      # /dev/zero behind a symlink would be read forever
+        raise ValueError(f"{path}: not a regular file")
+    if os.path.getsize(path) > MAX_JSON_BYTES:
+        raise ValueError(f"{path}: {os.path.getsize(path)} bytes, more than a config file holds "
+                         f"({MAX_JSON_BYTES >> 20} MiB)")
     try:
         with open(path, "rb") as f:
             obj = json.loads(f.read().decode("utf-8"))

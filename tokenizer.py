@@ -65,6 +65,7 @@ PAT = "|".join([
 ])
 
 NUM_RESERVED_SPECIAL_TOKENS = 256  # K2.5/K2.6 build exactly 256 special ids (K2 built 258), n_vocab = N + 256
+MAX_FILE_BYTES = 1 << 28           # a tokenizer_config.json or chat template, read whole
 MAX_SPECIAL_TOKENS = 65536         # special ids lie in [N, N + this): each id up to the last named one is built
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
@@ -137,6 +138,8 @@ def load_tiktoken_model(path: str | Path) -> dict[bytes, int]:
 
 
 def _read_json(path: Path) -> dict:
+    if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:   # a device behind a symlink, a huge file
+        raise ValueError(f"{path}: not a regular file of at most {MAX_FILE_BYTES >> 20} MiB")
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:    # RecursionError: nested too deep
@@ -149,7 +152,7 @@ def _read_json(path: Path) -> dict:
 def load_special_names(path: str | Path, num_base: int) -> dict[int, str]:
     """id -> name of every entry in tokenizer_config.json's `added_tokens_decoder`."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"tokenizer config not found: {path}")
     decoder = _read_json(path).get("added_tokens_decoder")
     if not isinstance(decoder, dict):
@@ -289,6 +292,8 @@ def load_chat_template(directory: str | Path) -> str | None:
     templates: the one named "default"), else None."""
     directory = Path(directory)
     if (directory / CHAT_TEMPLATE_FILE).is_file():
+        if (directory / CHAT_TEMPLATE_FILE).stat().st_size > MAX_FILE_BYTES:
+            raise ValueError(f"{directory / CHAT_TEMPLATE_FILE}: more than {MAX_FILE_BYTES >> 20} MiB")
         try:
             return (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
         except UnicodeDecodeError as e:

@@ -192,6 +192,18 @@ def test_config_file_that_is_not_an_object(tmp_path, content, words):
         M.ModelArgs.from_config(str(tmp_path))
 
 
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json", "tokenizer_config.json"])
+def test_json_file_that_is_a_device(ckpt, tmp_path, name):
+    """A config file that is a symlink to /dev/zero used to be read until memory ran out."""
+    ck = copy_of(ckpt, tmp_path)
+    (ck / name).unlink()
+    (ck / name).symlink_to("/dev/zero")
+    read = Tokenizer.from_dir if name == "tokenizer_config.json" else \
+        (lambda d: C.load_model(str(d), torch.device("cpu"), torch.float32, progress=False))
+    with pytest.raises(ValueError, match=re.escape(str(ck / name)) + ": not a regular file"):
+        read(ck)
+
+
 def test_hyperparameters_are_read_not_guessed():
     """A value the file gives is used as given: no `or default` that turns a 0 into 32."""
     cfg = tiny.text_config()
