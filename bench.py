@@ -1849,10 +1849,42 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--T values must lie in [1, 64] (the tree kernel's mask word), got {a.T}")
     if a.tp < 1:
         p.error(f"--tp must be >= 1, got {a.tp}")
+    finite = lambda x: x == x and abs(x) != float("inf")
+    step_modes = ("eager", "static", "graph", "compile", "graph+compile")
+    for flag, ok, want, got in [
+            ("--batch", all(b >= 1 for b in a.batch), "batch sizes >= 1", a.batch),
+            ("--n-prompts", a.n_prompts >= 0, ">= 0 (0: all)", a.n_prompts),
+            ("--temperature", a.temperature and all(finite(t) and t >= 0 for t in a.temperature),
+             "finite numbers >= 0", a.temperature),
+            ("--budgets", bool(a.budgets), "at least one budget", a.budgets),
+            ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1", a.max_new_tokens),
+            ("--max-seq-len", a.max_seq_len >= 0, ">= 0 (0: as long as needed)", a.max_seq_len),
+            ("--warmup", a.warmup >= -1, ">= -1", a.warmup),
+            ("--step-budgets", a.step_budgets and min(a.step_budgets) >= 0, "budgets >= 0", a.step_budgets),
+            ("--step-modes", all(m in step_modes for m in a.step_modes or []), f"among {step_modes}", a.step_modes),
+            ("--ctx", a.ctx and min(a.ctx) >= 1, "cached token counts >= 1", a.ctx),
+            ("--allreduce-us", finite(a.allreduce_us) and a.allreduce_us >= 0, "a finite number >= 0",
+             a.allreduce_us),
+            ("--copy-mb", a.copy_mb >= 0, ">= 0 (0: the default size)", a.copy_mb),
+            ("--vocab", a.vocab >= 2, ">= 2", a.vocab), ("--tree-depth", a.tree_depth >= 1, ">= 1", a.tree_depth),
+            ("--seed", 0 <= a.seed < 2**63, "in [0, 2^63)", a.seed)]:
+        if not ok:
+            p.error(f"{flag} must be {want}, got {got}")
     if any(b != "auto" and b < 1 for b in a.budgets):
         p.error(f"--budgets must be >= 1 or auto, got {a.budgets}")
     if "auto" in a.budgets and (a.mode != "e2e" or a.batch):
         p.error("--budgets auto: e2e only (not --batch)")
+    if not os.path.isfile(a.prompts):
+        p.error(f"--prompts {a.prompts}: expected a prompt set file (JSON, or a .txt list of held-out files)")
+    if a.out:           # checked before any work, not after it (the JSON, then the plot next to it)
+        from cli import check_output_path
+        if os.path.splitext(a.out)[1].lower() == ".png":
+            p.error(f"--out {a.out}: the plot is written next to the JSON as <name>.png; name the JSON <name>.json")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+            check_output_path("--out", a.out)
+        except (OSError, ValueError) as e:
+            p.error(str(e) if isinstance(e, ValueError) else f"--out {a.out}: cannot create its directory ({e})")
     return a
 
 
@@ -1889,4 +1921,11 @@ def check_one_rank_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> No
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as e:     # a missing checkpoint, a bad file: one line, as generate.py
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

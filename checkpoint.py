@@ -16,9 +16,11 @@ them with seeded random values that do not depend on the TP size (randomize_).
 
 Invariant: load_checkpoint fills every parameter of a model exactly once, with this rank's tensor-parallel slice
 (read with safetensors' get_slice, so a rank never holds the whole checkpoint), or raises CheckpointError naming
-the tensor and its file (a missing, unexpected, duplicate, misshapen, mistyped or non-finite tensor).
+the tensor and its file (a missing, unexpected, duplicate, misshapen, mistyped or non-finite tensor). Every config
+value is checked for its type and range where it is read (Fields), and load_model checks the config against the
+tensors present (check_checkpoint: names, dtypes, shapes) before it allocates anything.
 
-Tests: python -m pytest -q tests/test_model.py tests/test_int4_checkpoint.py tests/test_random.py
+Tests: python -m pytest -q tests/test_model.py tests/test_int4_checkpoint.py tests/test_random.py tests/test_faults.py
 """
 from __future__ import annotations
 
@@ -47,7 +49,124 @@ def check_dir(path: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# config.json -> ModelArgs
+# Config values are checked where they are read, by one helper (Fields): a bad value is one error naming the
+# file, the field and what was expected, never a NaN, a traceback or a guess.
+
+
+_REQUIRED = object()
+FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38   # the compute dtype's range
+
+
+def _show(value) -> str:
+    """A config value as its file spells it (true, null), numbers and strings as Python prints them, cut short."""
+    r = json.dumps(value) if isinstance(value, bool) or value is None else repr(value)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _kind(value) -> str:
+    """What a JSON value is, in words: 'a list', 'a string', 'null'..."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+             float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+class Fields:
+    """The fields of one JSON object of a config file, each read with its type and range checked:
+
+        f = Fields(cfg, "ckpt/config.json")
+        f.int("num_hidden_layers")                      # required, an integer >= 1
+        f.number("rms_norm_eps", above=0, below=1)      # required, a finite number in (0, 1)
+        f.sub("rope_scaling").number("factor", 1.0)     # an optional object; a field with a default
+
+    A bad value raises ValueError "<file>: field <dotted.path> = <value>: expected <what>". A field set to null
+    reads as absent (HF configs write null for "unset"); a default is returned as it is, unchecked."""
+
+    def __init__(self, obj, where: str, path: str = ""):
+        if not isinstance(obj, dict):
+            what = f"field {path}" if path else "the file"
+            raise ValueError(f"{where}: {what} must be a JSON object, got {_kind(obj)}")
+        self.obj, self.where, self.path = obj, where, path
+
+    def name(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def bad(self, key: str, value, expected: str) -> ValueError:
+        return ValueError(f"{self.where}: field {self.name(key)} = {_show(value)}: expected {expected}")
+
+    def has(self, key: str) -> bool:
+        return self.obj.get(key) is not None
+
+    def get(self, key: str, default=_REQUIRED):
+        """The raw value (any type), or default when absent; absent and required: an error."""
+        if self.has(key):
+            return self.obj[key]
+        if default is _REQUIRED:
+            raise ValueError(f"{self.where}: field {self.name(key)} is missing (required)")
+        return default
+
+    def int(self, key: str, default=_REQUIRED, min: int = 1, max: int | None = None, why: str = ""):
+        """An integer in [min, max] (bool and 8.0 are not integers)."""
+        if not self.has(key):
+            return self.get(key, default)
+        v = self.obj[key]
+        if type(v) is not int or v < min or (max is not None and v > max):
+            rng = f">= {min}" if max is None else f"in [{min}, {max}]"
+            raise self.bad(key, v, f"an integer {rng}" + (f" ({why})" if why else ""))
+        return v
+
+    def number(self, key: str, default=_REQUIRED, min: float | None = None, above: float | None = None,
+               below: float | None = None, why: str = "") -> float:
+        """A finite number (an integer or a float, finite in float32 too: the values enter fp32 math), at least
+        min / more than above / less than below."""
+        if not self.has(key):
+            return self.get(key, default)
+        v = self.obj[key]
+        ok = isinstance(v, (int, float)) and type(v) is not bool and math.isfinite(v) and abs(v) <= FLOAT32_MAX
+        ok = ok and (min is None or v >= min) and (above is None or v > above) and (below is None or v < below)
+        if not ok:
+            rng = " and ".join(s for s in (min is not None and f">= {min:g}", above is not None and f"> {above:g}",
+                                           below is not None and f"< {below:g}") if s)
+            raise self.bad(key, v, "a finite number" + (f" {rng}" if rng else "") + (f" ({why})" if why else ""))
+        return float(v)
+
+    def flag(self, key: str, default=_REQUIRED) -> bool:
+        if not self.has(key):
+            return self.get(key, default)
+        if type(self.obj[key]) is not bool:
+            raise self.bad(key, self.obj[key], "true or false")
+        return self.obj[key]
+
+    def choice(self, key: str, choices: tuple, default=_REQUIRED, why: str = ""):
+        """One of `choices` (compared with their type: 1 is not true)."""
+        if not self.has(key):
+            return self.get(key, default)
+        v = self.obj[key]
+        if not any(type(v) is type(c) and v == c for c in choices):
+            want = " or ".join(json.dumps(c) if isinstance(c, bool) else repr(c) for c in choices)
+            raise ValueError(f"{self.where}: field {self.name(key)} = {_show(v)} is not supported (expected "
+                             f"{want}{'; ' + why if why else ''})")
+        return v
+
+    def sub(self, key: str, required: bool = False) -> "Fields":
+        """A nested object (an empty one when absent and not required)."""
+        return Fields(self.get(key, _REQUIRED if required else {}), self.where, self.name(key))
+
+    def ints(self, key: str, default=_REQUIRED, min: int = 0) -> list[int]:
+        """A non-empty list of integers >= min."""
+        if not self.has(key):
+            return self.get(key, default)
+        v = self.obj[key]
+        if not isinstance(v, list) or not v or any(type(i) is not int or i < min for i in v):
+            raise self.bad(key, v, f"a non-empty list of integers >= {min}")
+        return v
+
+    def token_ids(self, key: str, vocab_size: int):
+        """null, a token id or a list of them, each in [0, vocab_size)."""
+        v = self.get(key, None)
+        ids = v if isinstance(v, list) else [v] if v is not None else []
+        if any(type(i) is not int or not 0 <= i < vocab_size for i in ids):
+            raise self.bad(key, v, f"a token id or a list of them, in [0, vocab_size = {vocab_size})")
+        return v
 
 
 def read_config(path_or_dict, name: str = "config") -> tuple[dict, str]:
@@ -62,44 +181,89 @@ def read_config(path_or_dict, name: str = "config") -> tuple[dict, str]:
         where = os.path.join(where, "config.json")
     if not os.path.exists(where):
         raise FileNotFoundError(f"{where}: config.json not found")
+    return read_json(where), where
+
+
+MAX_JSON_BYTES = 1 << 28      # a config or index file, read whole: K2.6's index is ~10 MB
+
+
+def read_json(path: str) -> dict:
+    """A JSON file whose top level is an object; any other content (a device, a huge file too) is one error
+    naming the file."""
+    if not os.path.isfile(path):      # /dev/zero behind a symlink would be read forever
+        raise ValueError(f"{path}: not a regular file")
+    if os.path.getsize(path) > MAX_JSON_BYTES:
+        raise ValueError(f"{path}: {os.path.getsize(path)} bytes, more than a config file holds "
+                         f"({MAX_JSON_BYTES >> 20} MiB)")
     try:
-        with open(where) as f:
-            return json.load(f), where
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e})") from None
+        with open(path, "rb") as f:
+            obj = json.loads(f.read().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{path}: not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})") \
+            from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object at the top level, got {_kind(obj)}")
+    return obj
 
 
-def quant_args(q: dict, where: str) -> M.QuantArgs:
+def quant_args(q: Fields, hidden_size: int, moe_intermediate_size: int) -> M.QuantArgs:
     """compressed-tensors quantization_config -> QuantArgs; only what K2-Thinking / K2.5 / K2.6 use is accepted:
     pack-quantized INT4, symmetric, per group, weights only."""
     def bad(msg):
-        return ValueError(f"{where}: quantization_config {msg}")
-    if q.get("quant_method") != "compressed-tensors":
-        raise bad(f"quant_method {q.get('quant_method')!r} is not supported (expected 'compressed-tensors')")
-    if q.get("format") != "pack-quantized":
-        raise bad(f"format {q.get('format')!r} is not supported (expected 'pack-quantized')")
-    groups = q.get("config_groups") or {}
-    if len(groups) != 1:
-        raise bad(f"config_groups has {len(groups)} groups; exactly one is supported")
-    g = next(iter(groups.values()))
-    w = g.get("weights") or {}
+        return ValueError(f"{q.where}: quantization_config {msg}")
+    if q.get("quant_method", None) != "compressed-tensors":
+        raise bad(f"quant_method {q.get('quant_method', None)!r} is not supported (expected 'compressed-tensors')")
+    if q.get("format", None) != "pack-quantized":
+        raise bad(f"format {q.get('format', None)!r} is not supported (expected 'pack-quantized')")
+    groups = q.sub("config_groups")
+    if len(groups.obj) != 1:
+        raise bad(f"config_groups has {len(groups.obj)} groups; exactly one is supported")
+    g = groups.sub(next(iter(groups.obj)), required=True)
+    w = g.sub("weights").obj
     # (key, required value, compressed-tensors' default when the key is absent)
     checks = [("num_bits", 4, None), ("type", "int", "int"), ("symmetric", True, True),
               ("strategy", "group", None), ("dynamic", False, False)]
     for key, want, default in checks:
-        if w.get(key, default) != want:
+        got = w.get(key, default)
+        if type(got) is not type(want) or got != want:
             raise bad(f"weights.{key} = {w.get(key)!r} is not supported (expected {want!r})")
     # "group" act-order stores a g_idx permutation; "weight"/"static" reorder only during calibration
     if w.get("actorder") not in (None, False, "weight", "static"):
         raise bad(f"weights.actorder = {w.get('actorder')!r} is not supported (expected null)")
-    if g.get("input_activations") or g.get("output_activations"):
+    if g.get("input_activations", None) or g.get("output_activations", None):
         raise bad("activation quantization is not supported (W4A16 only)")
     gs = w.get("group_size")
-    if not isinstance(gs, int) or gs <= 0 or gs % 8:
+    if type(gs) is not int or gs <= 0 or gs % 8:
         raise bad(f"weights.group_size = {gs!r}; expected a positive multiple of 8")
+    for name, dim in (("hidden_size", hidden_size), ("moe_intermediate_size", moe_intermediate_size)):
+        if dim % gs:     # each expert's input columns come in whole groups
+            raise bad(f"weights.group_size = {gs} does not divide {name} = {dim}")
     # Which modules are quantized is not read from targets / ignore: the tensors say it (weight_packed only
     # where model.Experts expects it; any other quantized tensor is an error in load_checkpoint).
     return M.QuantArgs(group_size=gs)
+
+
+def rope_fields(f: Fields) -> tuple[Fields, float, str]:
+    """Rope settings, as real Kimi/DeepSeek files write them (rope_theta + rope_scaling) or transformers 5
+    (rope_parameters): (the scaling object's fields, rope_theta, rope type 'default' or 'yarn')."""
+    scaling, params = f.sub("rope_scaling"), f.sub("rope_parameters")
+    rope = Fields({**params.obj, **scaling.obj}, f.where, "rope_scaling" if scaling.obj else "rope_parameters")
+    if not f.has("rope_theta") and not rope.has("rope_theta"):
+        raise ValueError(f"{f.where}: field {f.name('rope_theta')} is missing (required; or "
+                         f"rope_parameters.rope_theta)")
+    # base > 1: the wavelengths grow with the dimension (and YaRN divides by log(base))
+    theta = (f if f.has("rope_theta") else rope).number("rope_theta", above=1)
+    kind = rope.choice("rope_type" if rope.has("rope_type") else "type", ("default", "yarn"), "default")
+    return rope, theta, kind
+
+
+def yarn_fields(rope: Fields) -> dict:
+    """YaRN's fields (factor and original_max_position_embeddings required; the others have transformers'
+    documented defaults) -> ModelArgs / DraftArgs keyword arguments."""
+    return dict(rope_factor=rope.number("factor", min=1),
+                original_max_position_embeddings=rope.int("original_max_position_embeddings"),
+                beta_fast=rope.number("beta_fast", 32.0, above=0), beta_slow=rope.number("beta_slow", 1.0, above=0),
+                rope_attention_factor=rope.number("attention_factor", None, above=0))
 
 
 _TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -107,86 +271,62 @@ _TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
 def model_args(path_or_dict) -> M.ModelArgs:
     """Read a flat kimi_k2 / deepseek_v3 config or a nested kimi_k25 (K2.5 / K2.6) one (a dict, a checkpoint
-    directory or its config.json)."""
+    directory or its config.json), every field checked for its type and range."""
     cfg, where = read_config(path_or_dict, "config")
-    top = cfg
+    top = Fields(cfg, where)
     nested = "text_config" in cfg
+    f = top
     if nested:
-        if cfg.get("model_type") not in ("kimi_k25", None):
-            raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} with a text_config is not "
-                             f"supported (expected 'kimi_k25')")
-        cfg = cfg["text_config"]
-        where = where + ":text_config"
-    if cfg.get("model_type") not in _TEXT_MODEL_TYPES:
-        raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} is not supported "
-                         f"(expected one of {_TEXT_MODEL_TYPES} or a kimi_k25 wrapper)")
+        top.choice("model_type", ("kimi_k25",), None, why="a text_config is read only in a kimi_k25 wrapper")
+        f = top.sub("text_config", required=True)
+    f.choice("model_type", _TEXT_MODEL_TYPES, why="or a kimi_k25 wrapper with a text_config")
+    f.choice("topk_method", ("noaux_tc",), "noaux_tc")
+    f.choice("scoring_func", ("sigmoid",), "sigmoid")
+    f.choice("hidden_act", ("silu",), "silu")
+    f.choice("rope_interleave", (True,), True, why="DeepSeek/Kimi checkpoints use interleaved rope pairs")
+    f.choice("attention_bias", (False,), False)
+    either = lambda key: f if f.has(key) or not nested else top      # the text config's, else the wrapper's
 
-    def need(key):
-        if key not in cfg or cfg[key] is None:
-            raise ValueError(f"{where}: required field {key!r} is missing")
-        return cfg[key]
-
-    def opt(key, default):
-        v = cfg.get(key, top.get(key, default))
-        return default if v is None else v
-
-    if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise ValueError(f"{where}: topk_method {cfg['topk_method']!r} is not supported (expected 'noaux_tc')")
-    if cfg.get("scoring_func", "sigmoid") != "sigmoid":
-        raise ValueError(f"{where}: scoring_func {cfg['scoring_func']!r} is not supported (expected 'sigmoid')")
-    if cfg.get("rope_interleave", True) is not True:
-        raise ValueError(f"{where}: rope_interleave false is not supported (DeepSeek/Kimi checkpoints use "
-                         f"interleaved rope pairs)")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported (expected 'silu')")
-    if cfg.get("attention_bias", False):
-        raise ValueError(f"{where}: attention_bias true is not supported")
-
-    # Rope: real Kimi/DeepSeek files use rope_theta + rope_scaling; transformers 5 writes rope_parameters.
-    rope = dict(cfg.get("rope_scaling") or {})
-    if cfg.get("rope_parameters"):
-        rope = {**cfg["rope_parameters"], **rope}
-    theta = cfg.get("rope_theta", rope.get("rope_theta"))
-    if theta is None:
-        raise ValueError(f"{where}: required field 'rope_theta' is missing (neither rope_theta nor "
-                         f"rope_parameters.rope_theta)")
-    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-    if rope_type not in ("default", "yarn"):
-        raise ValueError(f"{where}: rope_scaling type {rope_type!r} is not supported (expected 'yarn' or none)")
+    rope, theta, rope_type = rope_fields(f)
     yarn = {}
     if rope_type == "yarn":
-        for key in ("factor", "original_max_position_embeddings"):
-            if rope.get(key) is None:
-                raise ValueError(f"{where}: rope_scaling.{key} is missing (required for yarn)")
-        yarn = dict(rope_factor=float(rope["factor"]),
-                    original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                    # transformers' documented defaults for these optional yarn fields
-                    beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
-                    mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
-                    rope_attention_factor=rope.get("attention_factor"))
+        yarn = dict(yarn_fields(rope), mscale=rope.number("mscale", None, min=0),
+                    mscale_all_dim=rope.number("mscale_all_dim", None, min=0))
 
-    qcfg = top.get("quantization_config") or cfg.get("quantization_config")   # top level first, as vLLM
+    experts, groups = f.int("n_routed_experts"), f.int("n_group")
+    if experts % groups or (groups > 1 and experts // groups < 2):   # a group's score sums its top 2 experts
+        raise f.bad("n_group", groups, f"a divisor of n_routed_experts = {experts} leaving >= 2 experts per group")
+    topk_group = f.int("topk_group", max=groups, why=f"n_group = {groups}")
+    selectable = topk_group * (experts // groups)
+    layers, vocab, hidden = f.int("num_hidden_layers"), f.int("vocab_size"), f.int("hidden_size")
+    moe_inter = f.int("moe_intermediate_size")
+    rope_dim = f.int("qk_rope_head_dim", min=2)
+    if rope_dim % 2:
+        raise f.bad("qk_rope_head_dim", rope_dim, "an even integer (rope rotates pairs)")
+    qcfg = top.get("quantization_config", None) or f.get("quantization_config", None)  # top level first, as vLLM
+    qname = "quantization_config" if top.has("quantization_config") else f.name("quantization_config")
     args = M.ModelArgs(
-        vocab_size=need("vocab_size"), hidden_size=need("hidden_size"),
-        intermediate_size=need("intermediate_size"), moe_intermediate_size=need("moe_intermediate_size"),
-        num_hidden_layers=need("num_hidden_layers"), num_attention_heads=need("num_attention_heads"),
-        q_lora_rank=need("q_lora_rank"), kv_lora_rank=need("kv_lora_rank"), qk_nope_head_dim=need("qk_nope_head_dim"),
-        qk_rope_head_dim=need("qk_rope_head_dim"), v_head_dim=need("v_head_dim"),
-        n_routed_experts=need("n_routed_experts"), num_experts_per_tok=need("num_experts_per_tok"),
-        n_shared_experts=need("n_shared_experts"), first_k_dense_replace=need("first_k_dense_replace"),
-        moe_layer_freq=cfg.get("moe_layer_freq", 1),   # absent in transformers' config class: 1 = every layer
-        n_group=need("n_group"), topk_group=need("topk_group"), norm_topk_prob=need("norm_topk_prob"),
-        routed_scaling_factor=float(need("routed_scaling_factor")), rms_norm_eps=float(need("rms_norm_eps")),
-        rope_theta=float(theta), max_position_embeddings=need("max_position_embeddings"), rope_type=rope_type,
-        tie_word_embeddings=bool(opt("tie_word_embeddings", False)),
-        bos_token_id=opt("bos_token_id", None), eos_token_id=opt("eos_token_id", None),
-        pad_token_id=opt("pad_token_id", None), quant=quant_args(qcfg, where) if qcfg else None, nested=nested,
-        **yarn)
-    if args.n_routed_experts % args.n_group or args.num_experts_per_tok > args.n_routed_experts:
-        raise ValueError(f"{where}: n_routed_experts={args.n_routed_experts} must be divisible by "
-                         f"n_group={args.n_group} and >= num_experts_per_tok={args.num_experts_per_tok}")
-    if args.qk_rope_head_dim % 2:
-        raise ValueError(f"{where}: qk_rope_head_dim={args.qk_rope_head_dim} must be even")
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=f.int("intermediate_size"),
+        moe_intermediate_size=moe_inter, num_hidden_layers=layers, num_attention_heads=f.int("num_attention_heads"),
+        q_lora_rank=f.int("q_lora_rank"), kv_lora_rank=f.int("kv_lora_rank"),
+        qk_nope_head_dim=f.int("qk_nope_head_dim"), qk_rope_head_dim=rope_dim, v_head_dim=f.int("v_head_dim"),
+        n_routed_experts=experts, n_group=groups, topk_group=topk_group,
+        num_experts_per_tok=f.int("num_experts_per_tok", max=selectable,
+                                  why=f"the experts of topk_group = {topk_group} of n_group = {groups} groups"),
+        # the model code always builds the shared expert
+        n_shared_experts=f.int("n_shared_experts"),
+        first_k_dense_replace=f.int("first_k_dense_replace", min=0, max=layers, why=f"num_hidden_layers = {layers}"),
+        moe_layer_freq=f.int("moe_layer_freq", 1),    # absent in transformers' config class: 1 = every layer
+        norm_topk_prob=f.flag("norm_topk_prob"), routed_scaling_factor=f.number("routed_scaling_factor", above=0),
+        rms_norm_eps=f.number("rms_norm_eps", min=FLOAT32_TINY, below=1, why="not 0 in float32"),
+        rope_theta=theta,
+        max_position_embeddings=f.int("max_position_embeddings"), rope_type=rope_type,
+        num_nextn_predict_layers=f.int("num_nextn_predict_layers", 0, min=0),
+        tie_word_embeddings=either("tie_word_embeddings").flag("tie_word_embeddings", False),
+        bos_token_id=either("bos_token_id").token_ids("bos_token_id", vocab),
+        eos_token_id=either("eos_token_id").token_ids("eos_token_id", vocab),
+        pad_token_id=either("pad_token_id").token_ids("pad_token_id", vocab),
+        quant=quant_args(Fields(qcfg, where, qname), hidden, moe_inter) if qcfg else None, nested=nested, **yarn)
     return args
 
 
@@ -213,26 +353,49 @@ def _normalize(name: str) -> str | None:
 
 
 def shard_files(ckpt_dir: str) -> dict[str, list[str] | None]:
-    """file -> tensor names, from model.safetensors.index.json, or {"model.safetensors": None} (every tensor)."""
+    """file -> tensor names, from model.safetensors.index.json, or {"model.safetensors": None} (every tensor).
+    The index may name only files inside ckpt_dir (a relative path without '..'; a symlink there may point
+    anywhere, as in the Hugging Face cache)."""
     check_dir(ckpt_dir)
     index = os.path.join(ckpt_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e!r})") from None
+        weight_map = Fields(read_json(index), index).sub("weight_map", required=True)
         files: dict[str, list[str]] = {}
-        for name, fname in weight_map.items():
+        for name, fname in weight_map.obj.items():
+            if not (isinstance(fname, str) and fname and "\0" not in fname and not os.path.isabs(fname)
+                    and ".." not in fname.replace("\\", "/").split("/")):
+                raise CheckpointError(f"{index}: field weight_map.{name} = {_show(fname)}: expected the name of a "
+                                      f"shard file inside {ckpt_dir}")
             files.setdefault(fname, []).append(name)
         for fname in files:
-            if not os.path.exists(os.path.join(ckpt_dir, fname)):
+            if not os.path.isfile(os.path.join(ckpt_dir, fname)):
                 raise CheckpointError(f"{index} names shard {fname}, which does not exist in {ckpt_dir}")
         return files
     single = os.path.join(ckpt_dir, "model.safetensors")
     if os.path.exists(single):
         return {"model.safetensors": None}
     raise CheckpointError(f"{ckpt_dir}: no model.safetensors.index.json and no model.safetensors")
+
+
+def open_shard(ckpt_dir: str, fname: str):
+    """safetensors' safe_open of one shard (a context manager); an unreadable file is an error naming it."""
+    from safetensors import safe_open
+    path = os.path.join(ckpt_dir, fname)
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot read as safetensors ({e})") from None
+
+
+def tensor_names(ckpt_dir: str) -> list[tuple[str, str]]:
+    """(tensor name, file) of every tensor the checkpoint holds (headers only, no data read)."""
+    out = []
+    for fname, names in sorted(shard_files(ckpt_dir).items()):
+        if names is None:
+            with open_shard(ckpt_dir, fname) as f:
+                names = list(f.keys())
+        out += [(n, fname) for n in names]
+    return out
 
 
 def rank_slice(sl, full_shape, dim: int | None, ws: int, r: int) -> torch.Tensor:
@@ -245,10 +408,15 @@ def rank_slice(sl, full_shape, dim: int | None, ws: int, r: int) -> torch.Tensor
     return sl[tuple(idx)]
 
 
-def _check_dtype(name, fname, got: torch.dtype, want: torch.dtype):
+def _check_dtype(name, fname, sl, want: torch.dtype) -> torch.dtype:
+    """The tensor's dtype, checked: exactly want, or any float for a float (an unknown one, e.g. F8_E4M3, by
+    safetensors' name)."""
+    got = DTYPES.get(sl.get_dtype())
     ok = (got == want) if not want.is_floating_point else (got is not None and got.is_floating_point)
     if not ok:
-        raise CheckpointError(f"tensor {name} in {fname} has dtype {got}, expected {want}")
+        expected = "a float (F32, F16, BF16)" if want.is_floating_point else str(want)
+        raise CheckpointError(f"tensor {name} in {fname} has dtype {got or sl.get_dtype()}, expected {expected}")
+    return got
 
 
 def build(make, device, dtype: torch.dtype):
@@ -263,16 +431,53 @@ def build(make, device, dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def load_model(ckpt: str, device, dtype: torch.dtype, progress: bool = True) -> M.Transformer:
-    """Build the target directly on `device` in `dtype` (its config checked against the TP size first) and load it.
+def load_model(ckpt: str, device, dtype: torch.dtype, progress: bool = True, check: bool = True) -> M.Transformer:
+    """Build the target directly on `device` in `dtype` (its config checked against the TP size and, unless the
+    caller did already (check=False), the checkpoint's tensors first) and load it.
     ckpt `random:<name>`: random_model instead."""
     if is_random(ckpt):
         return random_model(ckpt, device, dtype)
     args = model_args(ckpt)
     M.check_tp_divisibility(args, M.world_size)
+    if check:
+        check_checkpoint(args, ckpt)
     model = build(lambda: M.Transformer(args), device, dtype)
     load_checkpoint(model, ckpt, progress=progress)
     return model.eval()
+
+
+def check_checkpoint(args: M.ModelArgs, ckpt_dir: str) -> None:
+    """The config against the tensors the checkpoint holds, before anything is allocated: the layer and expert
+    counts from the tensor names, then every tensor's name, dtype and shape against the model the config
+    describes, built on the meta device (no memory; load_checkpoint's own checks, reading no data)."""
+    names = tensor_names(ckpt_dir)
+    where = os.path.join(ckpt_dir, "config.json")
+    layers, experts = {}, {}            # index -> (tensor, file) of the first tensor that names it
+    for name, fname in names:
+        key = _normalize(name)
+        m = key and re.match(r"layers\.(\d+)\.", key)
+        if m:
+            layers.setdefault(int(m[1]), (name, fname))
+            e = EXPERT_RE.fullmatch(key)
+            if e and int(m[1]) < args.num_hidden_layers:
+                experts.setdefault(int(e[2]), (name, fname))
+    n, mtp = args.num_hidden_layers, args.num_nextn_predict_layers
+    top = max(layers, default=-1)
+    if top >= n + mtp:
+        raise CheckpointError(f"{where}: num_hidden_layers = {n} (+ num_nextn_predict_layers = {mtp}), but "
+                              f"tensor {layers[top][0]} in {layers[top][1]} is of layer {top}: the config does "
+                              f"not describe this checkpoint")
+    if top < n - 1:
+        raise CheckpointError(f"{where}: num_hidden_layers = {n}, but the checkpoint holds tensors of layers "
+                              f"0..{top} only")
+    moe = any(args.is_moe_layer(i) for i in range(n))
+    top = max(experts, default=-1)
+    if top >= args.n_routed_experts or (moe and top < args.n_routed_experts - 1):
+        held = f"tensor {experts[top][0]} in {experts[top][1]} is of expert {top}" if top >= 0 else "no experts"
+        raise CheckpointError(f"{where}: n_routed_experts = {args.n_routed_experts}, but {held}: the config "
+                              f"does not describe this checkpoint")
+    meta = build(lambda: M.Transformer(args), "meta", torch.float32)
+    load_checkpoint(meta, ckpt_dir, check_finite=False, read=False)
 
 
 def load_drafter(path: str, target_args: M.ModelArgs, device, dtype: torch.dtype):
@@ -282,11 +487,12 @@ def load_drafter(path: str, target_args: M.ModelArgs, device, dtype: torch.dtype
 
 
 @torch.no_grad()
-def load_checkpoint(model: M.Transformer, ckpt_dir: str, progress: bool = False, check_finite: bool = True) -> dict:
+def load_checkpoint(model: M.Transformer, ckpt_dir: str, progress: bool = False, check_finite: bool = True,
+                    read: bool = True) -> dict:
     """Load this rank's slices of every parameter from an HF safetensors checkpoint. check_finite: no floating
     tensor may hold NaN / inf (checked once over the loaded parameters, one host sync; then the culprit is
-    named). Returns stats (bytes read by this rank, seconds, peak host RSS)."""
-    from safetensors import safe_open
+    named). read=False: every check on names, dtypes and shapes, no data read (a model on the meta device).
+    Returns stats (bytes read by this rank, seconds, peak host RSS)."""
     files = shard_files(ckpt_dir)
     params = dict(model.named_parameters())
     expected = {k for k, p in params.items() if not (model.args.tie_word_embeddings and k == "lm_head.weight")}
@@ -297,12 +503,7 @@ def load_checkpoint(model: M.Transformer, ckpt_dir: str, progress: bool = False,
     written = []    # (name, file, where it landed) of every floating tensor, to name a non-finite one
     nbytes, t0 = 0, time.time()
     for n_done, (fname, names) in enumerate(sorted(files.items()), 1):
-        path = os.path.join(ckpt_dir, fname)
-        try:
-            f = safe_open(path, framework="pt", device="cpu")
-        except Exception as e:
-            raise CheckpointError(f"{path}: cannot read as safetensors ({e})") from None
-        with f:
+        with open_shard(ckpt_dir, fname) as f:
             file_names = set(f.keys())
             for name in (names if names is not None else file_names):
                 if name not in file_names:
@@ -312,18 +513,21 @@ def load_checkpoint(model: M.Transformer, ckpt_dir: str, progress: bool = False,
                     continue
                 sl = f.get_slice(name)
                 shape = tuple(sl.get_shape())
-                dtype = DTYPES.get(sl.get_dtype())
                 layer = re.match(r"layers\.(\d+)\.", key)
-                if layer and int(layer[1]) >= model.args.num_hidden_layers:
-                    continue    # multi-token-prediction layers past num_hidden_layers: not used here
+                n, mtp = model.args.num_hidden_layers, model.args.num_nextn_predict_layers
+                if layer and n <= int(layer[1]) < n + mtp:
+                    continue    # the multi-token-prediction layers config.json declares: not used here
+                if layer and int(layer[1]) >= n:
+                    raise CheckpointError(f"tensor {name} in {fname} is of layer {layer[1]}, past config.json's "
+                                          f"num_hidden_layers = {n} (+ num_nextn_predict_layers = {mtp})")
                 m = EXPERT_RE.fullmatch(key)
                 if m:
-                    dest = _load_expert(model, m, sl, shape, dtype, name, fname, expert_loaded)
+                    dest = _load_expert(model, m, sl, shape, name, fname, expert_loaded, read)
                 else:
-                    dest = _load_param(params, loaded, key, sl, shape, dtype, name, fname)
+                    dest = _load_param(params, loaded, key, sl, shape, name, fname, read)
                 if dest is None:
                     continue
-                nbytes += dest.numel() * dtype.itemsize          # this rank's slice, as stored in the file
+                nbytes += dest.numel() * DTYPES[sl.get_dtype()].itemsize    # this rank's slice, as stored
                 if check_finite and dest.is_floating_point():
                     written.append((name, fname, dest))
         if progress and M.rank == 0:
@@ -354,21 +558,22 @@ def _check_finite(params: list[torch.Tensor], written: list) -> None:
         raise CheckpointError(f"tensor {name} in {fname} holds NaN or inf")
 
 
-def _load_param(params, loaded: set, key, sl, shape, dtype, name, fname) -> torch.Tensor:
+def _load_param(params, loaded: set, key, sl, shape, name, fname, read: bool = True) -> torch.Tensor:
     """A non-expert tensor: checked against its parameter, this rank's slice copied in. Returns the parameter."""
     if key not in params:
         raise CheckpointError(f"unexpected tensor {name} in {fname} (no such parameter)")
     p = params[key]
     if key in loaded:
         raise CheckpointError(f"tensor {name} appears twice (again in {fname})")
-    _check_dtype(name, fname, dtype, p.dtype)
+    _check_dtype(name, fname, sl, p.dtype)
     sd = getattr(p, "shard_dim", None)
     full = list(p.shape)
     if sd is not None:
         full[sd] *= M.world_size
     if shape != tuple(full):
         raise CheckpointError(f"tensor {name} in {fname} has shape {list(shape)}, expected {full}")
-    p.copy_(rank_slice(sl, shape, sd, M.world_size, M.rank))
+    if read:
+        p.copy_(rank_slice(sl, shape, sd, M.world_size, M.rank))
     loaded.add(key)
     return p
 
@@ -404,7 +609,7 @@ def _expert_dest(model: M.Transformer, layer: int, e: int, proj: str, kind: str)
     return None
 
 
-def _load_expert(model, m, sl, shape, dtype, name, fname, loaded: set) -> torch.Tensor | None:
+def _load_expert(model, m, sl, shape, name, fname, loaded: set, read: bool = True) -> torch.Tensor | None:
     """One routed-expert tensor into its row block of the stacked experts. Returns the view written (None for
     weight_shape, which is only checked against the config)."""
     layer, e, proj, kind = int(m[1]), int(m[2]), m[3], m[4]
@@ -422,18 +627,24 @@ def _load_expert(model, m, sl, shape, dtype, name, fname, loaded: set) -> torch.
     if key in loaded:
         raise CheckpointError(f"tensor {name} appears twice (again in {fname})")
     if view == "shape":
+        if sl.get_dtype() not in ("I32", "I64") or shape != (2,):
+            raise CheckpointError(f"tensor {name} in {fname} has dtype {sl.get_dtype()} and shape {list(shape)}, "
+                                  f"expected an int32 weight_shape of 2 values")
+        if not read:
+            return None
         got = tuple(int(v) for v in sl[:].tolist())
         if got != tuple(full):
             raise CheckpointError(f"tensor {name} in {fname}: weight_shape {list(got)} does not match the "
                                   f"config, expected {list(full)}")
         return None
-    _check_dtype(name, fname, dtype, view.dtype)
+    _check_dtype(name, fname, sl, view.dtype)
     if shape != tuple(full):
         what = {"weight_packed": " (int32 words of 8 int4 values)",
                 "weight_scale": f" (one scale per group of {model.args.quant.group_size if model.args.quant else 0})"}
         raise CheckpointError(f"tensor {name} in {fname} has shape {list(shape)}, expected {list(full)}"
                               f"{what.get(kind, '')}")
-    view.copy_(rank_slice(sl, shape, sd, M.world_size, M.rank))
+    if read:
+        view.copy_(rank_slice(sl, shape, sd, M.world_size, M.rank))
     loaded.add(key)
     return view
 

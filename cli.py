@@ -6,14 +6,16 @@ generate_batch) is generate.py; this file turns flags into its arguments and its
     torchrun --nproc-per-node 8 generate.py --ckpt random:k2.6 --prompt-ids 1,2,3 --cuda-graph   # no download
 
 Invariant: a user mistake (bad flag, path, config, prompt) is one line naming the flag or file, exit code 2, no
-traceback (--debug shows it), and it is caught before the weights load wherever it can be.
-Tests: python -m pytest -q tests/test_cli.py
+traceback (--debug shows it), and it is caught before the weights load wherever it can be. Ctrl-C is one line,
+exit code 130, after what was generated so far. Every case: docs/FAULTS.md.
+Tests: python -m pytest -q tests/test_cli.py tests/test_faults.py
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import stat
 import sys
 
 import torch
@@ -44,7 +46,8 @@ def check_args(a: argparse.Namespace) -> None:
                                 ("--temperature", a.temperature == 0 or V.MIN_TEMPERATURE <= a.temperature < math.inf,
                                  f"0 (greedy) or a finite number >= {V.MIN_TEMPERATURE:g}", a.temperature),
                                 ("--top-k", a.top_k >= 0, ">= 0 (0: off)", a.top_k),
-                                ("--top-p", 0 < a.top_p <= 1, "in (0, 1]", a.top_p)]:
+                                ("--top-p", 0 < a.top_p <= 1, "in (0, 1]", a.top_p),
+                                ("--seed", 0 <= a.seed < 2**63, "in [0, 2^63)", a.seed)]:
         if not ok:
             raise ValueError(f"{flag} must be {want}, got {got}")
     for flag, path in (("--ckpt", a.ckpt), ("--draft", a.draft), ("--tokenizer", a.tokenizer)):
@@ -52,6 +55,13 @@ def check_args(a: argparse.Namespace) -> None:
             C.random_config(path)           # an unknown name: one line listing the random models there are
         elif path is not None and not os.path.isdir(path):
             raise ValueError(f"{flag} {path}: no such checkpoint directory")
+    if a.device:
+        try:
+            kind = torch.device(a.device).type
+        except RuntimeError:
+            kind = None
+        if kind not in ("cpu", "cuda"):       # meta, mps, xpu...: this engine runs on CUDA GPUs or the CPU
+            raise ValueError(f"--device {a.device!r}: expected cpu, cuda or cuda:N")
     if a.device and a.device.startswith("cuda") and (torch.device(a.device).index or 0) >= torch.cuda.device_count():
         why = "this torch is a CPU-only build" if torch.version.cuda is None else "no such CUDA device is visible"
         raise ValueError(f"--device {a.device}: {why} (torch {torch.__version__}); use --device cpu")
@@ -62,11 +72,8 @@ def check_args(a: argparse.Namespace) -> None:
             raise ValueError(f"--prompt-ids {a.prompt_ids!r}: expected comma-separated token ids, e.g. 1,2,3") from None
     a.prompt_texts = None
     if a.prompts is not None:
-        if not os.path.isfile(a.prompts):
-            why = "is a directory" if os.path.isdir(a.prompts) else "does not exist"
-            raise ValueError(f"--prompts {a.prompts} {why}: expected a text file with one prompt per line")
-        with open(a.prompts) as f:
-            a.prompt_texts = [line.rstrip("\n") for line in f if line.strip()]
+        text = read_text("--prompts", a.prompts, "a text file with one prompt per line")
+        a.prompt_texts = [line for line in universal_newlines(text).split("\n") if line.strip()]
         if not a.prompt_texts:
             raise ValueError(f"--prompts {a.prompts}: no prompts (one per line)")
     for flag, on in (("--chain", a.chain), ("--trace", a.trace)):
@@ -79,51 +86,125 @@ def check_args(a: argparse.Namespace) -> None:
                              + ("--budget 0" if a.draft else "no --draft"))
     if a.cuda_graph and (a.device == "cpu" or not torch.cuda.is_available()):
         raise ValueError("--cuda-graph needs a CUDA device")
-    if a.trace and not os.path.isdir(os.path.dirname(os.path.abspath(a.trace))):
-        raise ValueError(f"--trace {a.trace}: no such directory to write the page in")
+    if a.trace:
+        check_output_path("--trace", a.trace)
     if a.show_tree and a.prompts:
         raise ValueError("--show-tree prints one sequence's trees: not with --prompts")
     if (a.raw or a.prompt_ids is not None) and (a.system is not None or a.thinking is not None):
         raise ValueError("--system and --thinking/--no-thinking shape the chat template: not with --raw, --prompt-ids")
 
 
+def read_text(flag: str, path: str, want: str, limit: int = 1 << 30) -> str:
+    """A text file (or a pipe: `--prompts <(...)`) named by a flag, as UTF-8 text; a directory, a device, a
+    binary file or one over `limit` bytes is an error naming the flag and the file."""
+    try:
+        kind = os.stat(path).st_mode
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror.lower()}: expected {want}") from None
+    if not (stat.S_ISREG(kind) or stat.S_ISFIFO(kind)):
+        what = "a directory" if stat.S_ISDIR(kind) else "a device" if stat.S_ISCHR(kind) or stat.S_ISBLK(kind) \
+            else "not a regular file"
+        raise ValueError(f"{flag} {path} is {what}: expected {want}")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror.lower()}") from None
+    if len(data) > limit:
+        raise ValueError(f"{flag} {path}: more than {limit >> 20} MiB: expected {want}")
+    return decode_text(flag + " " + path, data, want)
+
+
+def decode_text(where: str, data: bytes, want: str) -> str:
+    """UTF-8 bytes -> text (a leading BOM dropped); binary data (not UTF-8, or NUL bytes) is an error naming
+    `where` and the line."""
+    data = data.removeprefix(b"\xef\xbb\xbf")     # a leading byte-order mark is no part of the text
+    bad = data.find(b"\0")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = e.start if bad < 0 else min(bad, e.start)
+    if bad >= 0:
+        line = data.count(b"\n", 0, bad) + 1
+        raise ValueError(f"{where}: line {line} is not UTF-8 text (byte {data[bad]:#04x} at offset {bad}): "
+                         f"expected {want}")
+    return text
+
+
+def universal_newlines(text: str) -> str:
+    """\r\n and \r as \n, as Python's text files read them."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def check_output_path(flag: str, path: str) -> None:
+    """Before any work: `path` can be written (its directory exists, it is not a directory, it may be created or
+    overwritten). The probe creates the file and removes it again if it was not there."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory: expected a file to write")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: no such directory to write the file in ({parent})")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror.lower()})") from None
+    if not existed:
+        os.remove(path)
+
+
 def check_cache_memory(a, margs: M.ModelArgs, dargs, device: torch.device, dtype: torch.dtype, batch: int) -> None:
     """--max-seq-len sizes the KV caches up front: refuse one that cannot fit, before the weights load."""
     import draft as D
-    need = math.prod(M.Transformer.cache_shape(margs, batch, a.max_seq_len)) + (
-        math.prod(D.DFlashDrafter.cache_shape(dargs, batch, a.max_seq_len, dargs.num_key_value_heads // M.world_size))
-        if dargs else 0)
-    need *= dtype.itemsize
+    target = math.prod(M.Transformer.cache_shape(margs, batch, a.max_seq_len)) * dtype.itemsize
+    drafter = math.prod(D.DFlashDrafter.cache_shape(dargs, batch, a.max_seq_len, dargs.num_key_value_heads
+                                                    // M.world_size)) * dtype.itemsize if dargs else 0
+    need = target + drafter
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:      # Linux's MemAvailable (it counts the page cache the kernel would give back); elsewhere unknown
         meminfo = open("/proc/meminfo").read().splitlines() if os.path.exists("/proc/meminfo") else []
         free = next((int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")), float("inf"))
     if need > free:
+        of = ", ".join([f"target {target / 2**30:.1f} GiB"] + [f"drafter {drafter / 2**30:.1f} GiB"] * bool(dargs)
+                       + [f"{batch} prompts"] * (batch > 1))
         raise ValueError(f"--max-seq-len {a.max_seq_len}: the KV caches need {need / 2**30:.1f} GiB, but {device} "
-                         f"has {free / 2**30:.1f} GiB free; lower --max-seq-len")
+                         f"has {free / 2**30:.1f} GiB free ({of}); lower --max-seq-len")
 
 
 def main(argv=None) -> int:
     """CLI entry: a user mistake (bad flag, path, config, prompt) prints one line on rank 0 and exits 2; --debug
-    shows the traceback instead. Under torchrun the ranks exit 0 after that line: torchrun answers a worker's
-    non-zero exit with a traceback of its own."""
+    shows the traceback instead. Ctrl-C prints one line and exits 130, after what was generated so far (and the
+    --trace page of the steps so far). Under torchrun the ranks exit 0 after an error's line: torchrun answers a
+    worker's non-zero exit with a traceback of its own."""
     a = None
     try:
         a = build_parser().parse_args(argv)
         rc = _main(a)
+    except BrokenPipeError:      # the reader closed stdout (`| head`): stop quietly, as a shell tool does
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # nothing left to flush at exit
+        except (OSError, ValueError, AttributeError):
+            pass
+        rc = 141
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         if a is not None and a.debug:
             raise
         if os.environ.get("RANK", "0") == "0":      # M.rank is not set yet when the error comes before init
             print(f"error: {e}", file=sys.stderr)
         rc = 0 if "TORCHELASTIC_RUN_ID" in os.environ else 2
+    except KeyboardInterrupt:
+        if a is not None and a.debug:
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print("\ninterrupted (Ctrl-C)", file=sys.stderr)
+        rc = 130
     M.close_distributed()
     return rc
 
 
 def _main(a: argparse.Namespace) -> int:
-    import draft as D
     from tokenizer import StreamDecoder, Tokenizer
     from trace_page import Trace
     check_args(a)
@@ -132,16 +213,22 @@ def _main(a: argparse.Namespace) -> int:
         a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if a.no_triton:
         kernels.ENABLED = False
-    dargs = D.DraftArgs.from_config(a.draft) if a.draft and a.budget != 0 else None
-    if dargs is not None:
-        D.check_tp_divisibility(dargs, M.world_size)           # before the target loads, not after
-    check_cache_memory(a, M.ModelArgs.from_config(a.ckpt), dargs, device, dtype, len(a.prompt_texts or [0]))
+    # everything that can be checked comes before the weights load: configs and tensors, caches, tokenizer, prompts
+    margs, dargs = check_models(a, device, dtype)
     tokenizer = (C.IdTokenizer() if C.is_random(a.ckpt) and a.tokenizer is None
                  else Tokenizer.from_dir(a.tokenizer or a.ckpt))
-    target = C.load_model(a.ckpt, device, dtype, progress=not a.quiet)
-    if tokenizer.vocab_size > target.args.vocab_size:
+    if tokenizer.vocab_size > margs.vocab_size:
         raise ValueError(f"tokenizer in {a.tokenizer or a.ckpt} has {tokenizer.vocab_size} ids but the model's "
-                         f"vocab_size is {target.args.vocab_size}")
+                         f"vocab_size is {margs.vocab_size}")
+    chat_kw = {} if a.thinking is None else {"thinking": a.thinking}    # unset: the template's own default
+    system = [{"role": "system", "content": a.system}] if a.system is not None else []
+    chat_ids = lambda history: tokenizer.apply_chat_template(system + history, **chat_kw)
+    encode = tokenizer.encode if a.raw else (lambda text: chat_ids([{"role": "user", "content": text}]))
+    prompts, text, chat = read_prompts(a, encode, chat_ids)
+    for i, p in enumerate(prompts):
+        G.check_prompt(p, margs.vocab_size, a.max_seq_len, f"prompt {i}: " if len(prompts) > 1 else "")
+
+    target = C.load_model(a.ckpt, device, dtype, progress=not a.quiet, check=False)
     drafter = C.load_drafter(a.draft, target.args, device, dtype) if dargs is not None else None
     mem = f"peak host RSS {C.peak_rss_bytes() / 2**30:.2f} GiB" + (
         f", device memory {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else "")
@@ -150,10 +237,6 @@ def _main(a: argparse.Namespace) -> int:
     kw = dict(drafter=drafter, budget=a.budget, chain=a.chain, temperature=a.temperature, top_k=a.top_k,
               top_p=a.top_p, seed=a.seed, max_seq_len=a.max_seq_len, stop_ids=tokenizer.stop_ids if not a.raw else (),
               mode="eager" if a.eager or not modes else "+".join(modes), debug=a.debug)   # graph, compile, both
-    chat_kw = {} if a.thinking is None else {"thinking": a.thinking}    # unset: the template's own default
-    system = [{"role": "system", "content": a.system}] if a.system is not None else []
-    encode = tokenizer.encode if a.raw else (
-        lambda text: tokenizer.apply_chat_template(system + [{"role": "user", "content": text}], **chat_kw))
     if a.show_tree:      # each step's tree, then the tokens it committed, never mixed with streamed text
         M.print0(T.LEGEND)
         kw["on_step"] = lambda b, v, new: M.print0("\n" + T.format_tree(
@@ -163,15 +246,20 @@ def _main(a: argparse.Namespace) -> int:
         kw["on_step"] = trace.on_step
 
     def run(prompt_ids: list[int]) -> list[int]:
-        """One prompt, streamed as it is committed (never a broken UTF-8 character), then its statistics."""
+        """One prompt, streamed as it is committed (never a broken UTF-8 character), then its statistics.
+        Ctrl-C: what was committed is printed, the --trace page written, and the interrupt goes on."""
         dec, stats = StreamDecoder(tokenizer), G.Stats()
         stream = (lambda ids: M.print0("committed: " + " ".join(repr(tokenizer.decode([t])) for t in ids))
                   ) if a.show_tree else (lambda ids: M.print0(dec.push(ids), end="", flush=True))
         if trace:
             trace.begin([prompt_ids], stats)
-        ids = G.generate(target, prompt_ids, a.max_new_tokens, on_tokens=stream, stats=stats, **kw)
-        if trace:
-            trace.write(a.trace)
+        try:
+            ids = G.generate(target, prompt_ids, a.max_new_tokens, on_tokens=stream, stats=stats, **kw)
+        except KeyboardInterrupt:
+            M.print0(dec.flush(), flush=True)
+            write_trace(trace, a.trace)
+            raise
+        write_trace(trace, a.trace)
         stop = f", stopped: {stats.stopped}" if stats.stopped else ""
         M.print0(dec.flush() + f"\n[{stats.new_tokens} tokens in {stats.decode_s:.2f} s: {stats.tokens_per_s:.1f} "
                  f"tok/s, prefill {stats.prefill_s * 1000:.0f} ms{stop}]")
@@ -183,37 +271,91 @@ def _main(a: argparse.Namespace) -> int:
         return ids
 
     if a.prompt_texts:
-        run_batch(a, tokenizer, target, kw, encode, trace)
-    elif a.prompt_ids is not None:
-        run(a.prompt_ids)
-    elif a.prompt is None and sys.stdin.isatty():
+        run_batch(a, tokenizer, target, kw, prompts, trace)
+    elif chat:
         bundled = os.path.realpath(a.ckpt) == os.path.realpath(G.BUNDLED_TARGET)
         interactive(tokenizer, run, chat_kw, system, note="; the bundled tiny model is a code model, not an "
-                    "assistant: it continues code (try --prompt 'def fib(n):' --raw)" if bundled else "")
+                    "assistant: it continues code (try --prompt 'def fib(n):' --raw)" if bundled else "",
+                    max_seq_len=a.max_seq_len)
     else:
-        text = a.prompt if a.prompt is not None else sys.stdin.read()
-        M.print0(text if a.raw else "", end="\n" if a.show_tree else "")       # a raw prompt: the text continues it
-        run(encode(text))
+        if text is not None:
+            M.print0(text if a.raw else "", end="\n" if a.show_tree else "")   # a raw prompt: the text continues it
+        run(prompts[0])
     return 0
 
 
-def run_batch(a, tokenizer, target, kw, encode, trace=None) -> None:
-    """--prompts FILE: one prompt per line, decoded together as one batch (one section of the --trace page each)."""
+def check_models(a, device: torch.device, dtype: torch.dtype) -> tuple:
+    """The target's and the drafter's configs, each against its tensors (names and shapes, no data read), against
+    each other and this engine, and the memory their KV caches need: before any weight loads.
+    Returns (ModelArgs, DraftArgs or None when nothing is drafted)."""
+    import draft as D
+    margs = M.ModelArgs.from_config(a.ckpt)
+    if not C.is_random(a.ckpt):
+        C.check_checkpoint(margs, a.ckpt)
+    dargs = D.DraftArgs.from_config(a.draft) if a.draft and a.budget != 0 else None
+    if dargs is not None:
+        D.check_compatible(dargs, margs)
+        if not C.is_random(a.draft):
+            D.check_layer_count(dargs, a.draft)
+        D.check_tp_divisibility(dargs, M.world_size)
+        if dargs.block_size > MAX_BUDGET + 1:
+            raise ValueError(f"drafter {a.draft}: block_size = {dargs.block_size}, more than this engine drafts "
+                             f"and verifies in one step ({MAX_BUDGET + 1})")
+    check_cache_memory(a, margs, dargs, device, dtype, len(a.prompt_texts or [0]))
+    return margs, dargs
+
+
+def read_prompts(a, encode, chat_ids) -> tuple[list[list[int]], str | None, bool]:
+    """The prompts as token ids, before the weights load (a bad prompt, stdin or chat template is found first):
+    (prompts, the prompt's text when it is one text, whether to chat). A chat has no prompt yet: its template is
+    rendered once, so that a broken one, or markup the tokenizer lacks, is found now."""
+    if a.prompt_texts:
+        return [encode(t) for t in a.prompt_texts], None, False
+    if a.prompt_ids is not None:
+        return [a.prompt_ids], None, False
+    if a.prompt is None and sys.stdin.isatty():
+        chat_ids([{"role": "user", "content": "hi"}])
+        return [], None, True
+    raw = getattr(sys.stdin, "buffer", None)                   # bytes, so that binary input gets a clear error
+    text = a.prompt if a.prompt is not None else \
+        universal_newlines(decode_text("stdin", raw.read(), "a prompt")) if raw else sys.stdin.read()
+    return [encode(text)], text, False
+
+
+def write_trace(trace, path: str) -> None:
+    """The --trace page of every step so far (a write error names the flag)."""
+    if trace is None:
+        return
+    try:
+        trace.write(path)
+    except OSError as e:
+        raise ValueError(f"--trace {path}: cannot write the page ({e.strerror or e})") from None
+
+
+def run_batch(a, tokenizer, target, kw, prompts: list[list[int]], trace=None) -> None:
+    """--prompts FILE: one prompt per line, decoded together as one batch (one section of the --trace page each).
+    Ctrl-C: each prompt's tokens so far are printed, the --trace page written, and the interrupt goes on."""
     stats = G.Stats()
     if trace:
-        trace.begin([encode(t) for t in a.prompt_texts], stats)
-    outs = G.generate_batch(target, [encode(t) for t in a.prompt_texts], a.max_new_tokens, stats=stats, **kw)
-    if trace:
-        trace.write(a.trace)
-    for t, o in zip(a.prompt_texts, outs):
-        M.print0(f"--- {t!r}\n{tokenizer.decode([x for x in o if x not in tokenizer.stop_ids])}")
+        trace.begin(prompts, stats)
+    outs = [[] for _ in prompts]
+    try:
+        G.generate_batch(target, prompts, a.max_new_tokens, stats=stats, on_tokens=lambda b, t: outs[b].extend(t),
+                         **kw)
+    finally:     # done or interrupted: what each prompt has, and the steps so far
+        write_trace(trace, a.trace)
+        for t, o in zip(a.prompt_texts, outs):
+            M.print0(f"--- {t!r}\n{tokenizer.decode([x for x in o if x not in tokenizer.stop_ids])}")
     M.print0(f"[{len(outs)} prompts, {stats.new_tokens} tokens in {stats.decode_s:.2f} s: "
              f"{stats.new_tokens / max(stats.decode_s, 1e-9):.1f} tok/s in total; mean accept {stats.mean_accept:.2f}]")
 
 
-def interactive(tokenizer, run, chat_kw: dict, system: list[dict] = (), note: str = "") -> None:
+def interactive(tokenizer, run, chat_kw: dict, system: list[dict] = (), note: str = "",
+                max_seq_len: int | None = None) -> None:
     """Multi-turn chat: each turn renders the whole history (after `system`) through the checkpoint's chat
-    template; /reset clears it, /exit or EOF ends. Under torchrun rank 0 reads the terminal for every rank."""
+    template; /reset clears it, /exit or EOF ends. Ctrl-C during an answer abandons that answer; at the prompt it
+    ends the program. A history that no longer fits max_seq_len, or a turn the template refuses, is said in one
+    line and the turn dropped: the conversation goes on. Under torchrun rank 0 reads the terminal for every rank."""
     M.print0(f"[chat: /reset clears the history, /exit or Ctrl-D ends{note}]")
     history = list(system)
     while (line := _read_line("> ")) is not None and line.strip() != "/exit":
@@ -223,7 +365,18 @@ def interactive(tokenizer, run, chat_kw: dict, system: list[dict] = (), note: st
         elif line.strip():
             history.append({"role": "user", "content": line})
             try:
-                ids = run(tokenizer.apply_chat_template(history, **chat_kw))
+                prompt = tokenizer.apply_chat_template(history, **chat_kw)
+            except ValueError as e:
+                M.print0(f"[this turn cannot be rendered: {e}]")
+                history.pop()
+                continue
+            if max_seq_len is not None and len(prompt) >= max_seq_len:
+                M.print0(f"[the conversation is {len(prompt)} tokens, more than the cache holds (--max-seq-len "
+                         f"{max_seq_len}): /reset clears the history]")
+                history.pop()
+                continue
+            try:
+                ids = run(prompt)
             except KeyboardInterrupt:
                 M.print0("\n[interrupted]")
                 history.pop()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -425,79 +426,59 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 
 def _draft_args_from_dict(cfg: dict, where: str) -> DraftArgs:
-    dcfg = cfg.get("dflash_config") or {}
+    """A DFlash config.json -> DraftArgs, every field checked for its type and range
+    (checkpoint.Fields: an error names the file and the field)."""
+    f = C.Fields(cfg, where)
+    dcfg = f.sub("dflash_config")
+    # a DFlash field: dflash_config's, else the top level's (as upstream reads it)
+    dflash = lambda key: dcfg if dcfg.has(key) or not f.has(key) else f
+    f.choice("model_type", ("qwen3",), "qwen3")
+    archs = f.get("architectures", [])
+    if not isinstance(archs, list) or [a for a in archs if a != "DFlashDraftModel"]:
+        raise f.bad("architectures", archs, "['DFlashDraftModel'] (no other is supported)")
+    f.choice("hidden_act", ("silu",), "silu")
+    layer_types = f.get("layer_types", [])
+    if not isinstance(layer_types, list) or [t for t in layer_types if t != "full_attention"] \
+            or f.flag("use_sliding_window", False):
+        raise f.bad("layer_types", layer_types,
+                    "only 'full_attention' (sliding-window drafter layers are not supported)")
+    dflash("is_causal").choice("is_causal", (False,), False,
+                               why="DFlash blocks attend non-causally")
 
-    def bad(key, msg):
-        return ValueError(f"{where}: {key} {msg}")
-
-    def need(key):
-        if cfg.get(key) is None:
-            raise bad(key, "is missing (required)")
-        return cfg[key]
-
-    def dflash(key, default=None, required=False):   # upstream: dflash_config first, then the top level
-        v = dcfg.get(key, cfg.get(key))
-        if v is None and required:
-            raise bad(f"dflash_config.{key}", "is missing (required)")
-        return default if v is None else v
-
-    if cfg.get("model_type", "qwen3") != "qwen3":
-        raise bad("model_type", f"= {cfg['model_type']!r} is not supported (expected 'qwen3')")
-    archs = [a for a in cfg.get("architectures") or [] if a != "DFlashDraftModel"]
-    if archs:
-        raise bad("architectures", f"= {archs} is not supported (expected ['DFlashDraftModel'])")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise bad("hidden_act", f"= {cfg['hidden_act']!r} is not supported (expected 'silu')")
-    sliding = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
-    if sliding or cfg.get("use_sliding_window"):
-        raise bad("layer_types", f"has {sliding or 'use_sliding_window'}: sliding-window drafter layers "
-                                 f"are not supported (only 'full_attention')")
-    if dflash("is_causal"):
-        raise bad("is_causal", "= true is not supported (DFlash blocks attend non-causally)")
-
-    # Rope: older files say rope_theta + rope_scaling; transformers 5 writes rope_parameters.
-    rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
-    theta = cfg.get("rope_theta", rope.get("rope_theta"))
-    if theta is None:
-        raise bad("rope_theta", "is missing (neither rope_theta nor rope_parameters.rope_theta)")
-    rope_type = rope.get("rope_type", rope.get("type")) or "default"
-    if rope_type not in ("default", "yarn"):
-        raise bad("rope_scaling.rope_type", f"= {rope_type!r} is not supported (expected 'yarn' or none)")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise bad("partial_rotary_factor", f"= {rope['partial_rotary_factor']} is not supported (expected 1)")
+    rope, theta, rope_type = C.rope_fields(f)
+    rope.choice("partial_rotary_factor", (1.0, 1), 1.0)
     yarn = {}
     if rope_type == "yarn":
-        for key in ("factor", "original_max_position_embeddings"):
-            if rope.get(key) is None:
-                raise bad(f"rope_scaling.{key}", "is missing (required for yarn)")
-        af = rope.get("attention_factor")
-        yarn = dict(rope_factor=float(rope["factor"]),
-                    original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                    beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
-                    rope_truncate=bool(rope.get("truncate", True)),
-                    rope_attention_factor=None if af is None else float(af))
+        yarn = dict(C.yarn_fields(rope), rope_truncate=rope.flag("truncate", True))
 
-    n_heads, hidden = need("num_attention_heads"), need("hidden_size")
-    ids, mask_id = dflash("target_layer_ids", required=True), dflash("mask_token_id", required=True)
-    cap = dflash("final_logit_softcapping")
-    args = DraftArgs(
-        hidden_size=hidden, intermediate_size=need("intermediate_size"), num_hidden_layers=need("num_hidden_layers"),
-        num_attention_heads=n_heads, num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
-        head_dim=cfg.get("head_dim") or hidden // n_heads, rms_norm_eps=float(need("rms_norm_eps")),
-        rope_theta=float(theta), max_position_embeddings=need("max_position_embeddings"),
-        block_size=int(need("block_size")), num_target_layers=int(need("num_target_layers")),
-        mask_token_id=int(mask_id), target_layer_ids=[int(i) for i in ids], vocab_size=cfg.get("vocab_size"),
-        attention_bias=bool(cfg.get("attention_bias", False)), rope_type=rope_type,
-        input_embedding_scale=float(dflash("input_embedding_scale", 1.0)),
-        output_multiplier=float(dflash("output_multiplier", 1.0)),
-        final_logit_softcapping=float(cap) if cap else None, **yarn)
-    if n_heads % args.num_key_value_heads:
-        raise bad("num_key_value_heads",
-                  f"= {args.num_key_value_heads} does not divide num_attention_heads = {n_heads}")
-    if args.head_dim % 2 or args.block_size < 2 or not ids:
-        raise bad("head_dim/block_size/target_layer_ids", f"= {args.head_dim}/{args.block_size}/{ids}: need an "
-                                                          f"even head_dim, block_size >= 2, at least one layer id")
-    return args
+    n_heads, hidden = f.int("num_attention_heads"), f.int("hidden_size")
+    n_kv = f.int("num_key_value_heads", n_heads, max=n_heads)
+    if n_heads % n_kv:
+        raise f.bad("num_key_value_heads", n_kv, f"a divisor of num_attention_heads = {n_heads}")
+    if not f.has("head_dim") and hidden % n_heads:
+        raise ValueError(f"{where}: field head_dim is missing, and hidden_size = {hidden} is not "
+                         f"a multiple of num_attention_heads = {n_heads}")
+    head_dim = f.int("head_dim", hidden // n_heads, min=2)
+    if head_dim % 2:
+        raise f.bad("head_dim", head_dim, "an even integer (rope rotates pairs)")
+    max_pos = f.int("max_position_embeddings")
+    scale = lambda key, default: dflash(key).number(key, default, above=0)
+    return DraftArgs(
+        hidden_size=hidden, intermediate_size=f.int("intermediate_size"),
+        num_hidden_layers=f.int("num_hidden_layers"), num_attention_heads=n_heads,
+        num_key_value_heads=n_kv, head_dim=head_dim,
+        rms_norm_eps=f.number("rms_norm_eps", min=C.FLOAT32_TINY, below=1), rope_theta=theta,
+        max_position_embeddings=max_pos,
+        # the block's positions follow the context: a block past the positions is never drafted
+        block_size=f.int("block_size", min=2, max=max_pos,
+                         why=f"max_position_embeddings = {max_pos}"),
+        num_target_layers=f.int("num_target_layers"),
+        mask_token_id=dflash("mask_token_id").int("mask_token_id", min=0),
+        target_layer_ids=dflash("target_layer_ids").ints("target_layer_ids"),
+        vocab_size=f.int("vocab_size", None), attention_bias=f.flag("attention_bias", False),
+        rope_type=rope_type, input_embedding_scale=scale("input_embedding_scale", 1.0),
+        output_multiplier=scale("output_multiplier", 1.0),
+        final_logit_softcapping=scale("final_logit_softcapping", None), **yarn)
 
 
 def check_compatible(d: DraftArgs, t: M.ModelArgs) -> None:
@@ -520,6 +501,9 @@ def check_compatible(d: DraftArgs, t: M.ModelArgs) -> None:
         raise ValueError(f"drafter vocab_size = {d.vocab_size} but target vocab_size = {t.vocab_size}")
     if not 0 <= d.mask_token_id < t.vocab_size:
         raise ValueError(f"drafter mask_token_id = {d.mask_token_id} is outside the target vocab_size = {t.vocab_size}")
+    if d.block_size > t.max_position_embeddings:
+        raise ValueError(f"drafter block_size = {d.block_size} is more than the target's "
+                         f"max_position_embeddings = {t.max_position_embeddings}")
 
 
 def check_tp_divisibility(a: DraftArgs, ws: int) -> None:
@@ -543,22 +527,41 @@ def _param_name(name: str) -> str:
     return name
 
 
+def check_layer_count(args: DraftArgs, path: str) -> None:
+    """config.json's num_hidden_layers against the layers the checkpoint's tensor names hold
+    (headers only), before the drafter is built: a count too high or too low names the file."""
+    layers = {}
+    for name, fname in C.tensor_names(path):
+        m = re.match(r"layers\.(\d+)\.", _param_name(name))
+        if m:
+            layers.setdefault(int(m[1]), (name, fname))
+    n, top = args.num_hidden_layers, max(layers, default=-1)
+    where = os.path.join(path, "config.json")
+    if top >= n:
+        name, fname = layers[top]
+        raise CheckpointError(f"{where}: num_hidden_layers = {n}, but tensor {name} in {fname} is "
+                              f"of layer {top}")
+    if top < n - 1:
+        raise CheckpointError(f"{where}: num_hidden_layers = {n}, but the checkpoint holds tensors "
+                              f"of layers 0..{top} only")
+
+
 @torch.no_grad()
 def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None, dtype=None) -> DFlashDrafter:
     """Read config.json, check it against the target and the TP size (before loading anything), build the
     drafter on `device` in `dtype` and load every tensor exactly once, checked against its full shape; each
     rank reads only its slice (safetensors get_slice, like checkpoint.load_checkpoint). No tensor
     may hold NaN / inf (checked as the target's are: the error names the tensor and its file)."""
-    from safetensors import safe_open
     args = DraftArgs.from_config(path)
     if target_args is not None:
         check_compatible(args, target_args)
+    check_layer_count(args, path)
     # allocated in the final dtype (no fp32 copy of a 3.5B model); the constructor checks the TP divisibility first
     drafter = C.build(lambda: DFlashDrafter(args), device or "cpu", dtype or torch.get_default_dtype())
     params, loaded = dict(drafter.named_parameters()), set()
     written = []    # (name, file, parameter): names a non-finite tensor
     for fname, names in sorted(C.shard_files(path).items()):
-        with safe_open(os.path.join(path, fname), framework="pt", device="cpu") as f:
+        with C.open_shard(path, fname) as f:
             for name in names if names is not None else list(f.keys()):
                 key = _param_name(name)
                 if key not in params:

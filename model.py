@@ -86,6 +86,7 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
     pad_token_id: int | None = None
+    num_nextn_predict_layers: int = 0  # multi-token-prediction layers after the last (not run)
     quant: QuantArgs | None = None     # None: float experts
     nested: bool = False               # K2.5/K2.6 layout: text model under `language_model.`
 

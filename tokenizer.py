@@ -17,22 +17,29 @@ Invariants:
   counted and never hard-coded; ids N..N+255 are special, unnamed ones are `<|reserved_token_{id}|>`.
 * apply_chat_template(...) renders exactly the string transformers renders from the same template, and
   only the template's own markup becomes special ids: a special-token string inside a message, tool or
-  template argument is encoded as plain text.
+  template argument is encoded as plain text; markup the template writes that the tokenizer lacks is an error.
+* A render is bounded (time, output, work: MAX_RENDER_S etc.): any failure is one ValueError naming the
+  template's file and line.
 * StreamDecoder: "".join(push(...) for each chunk) + flush() == decode(all ids), and push never returns
   a half-finished UTF-8 character.
 
 Run:  python tokenizer.py /path/to/Kimi-K2.6 "你好, world"      (prints ids, pieces and a chat prompt)
-Test: python -m pytest -q tests/test_tokenizer.py
+Test: python -m pytest -q tests/test_tokenizer.py tests/test_faults.py
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import codecs
+import contextlib
+import contextvars
 import functools
 import json
 import re
+import signal
 import sys
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Iterable
@@ -58,6 +65,8 @@ PAT = "|".join([
 ])
 
 NUM_RESERVED_SPECIAL_TOKENS = 256  # K2.5/K2.6 build exactly 256 special ids (K2 built 258), n_vocab = N + 256
+MAX_FILE_BYTES = 1 << 28           # a tokenizer_config.json or chat template, read whole
+MAX_SPECIAL_TOKENS = 65536         # special ids lie in [N, N + this): each id up to the last named one is built
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 # Kimi's encode() feeds tiktoken at most 400k chars at a time and cuts runs of > 25k whitespace or
@@ -129,9 +138,11 @@ def load_tiktoken_model(path: str | Path) -> dict[bytes, int]:
 
 
 def _read_json(path: Path) -> dict:
+    if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:   # a device behind a symlink, a huge file
+        raise ValueError(f"{path}: not a regular file of at most {MAX_FILE_BYTES >> 20} MiB")
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:    # RecursionError: nested too deep
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: expected a JSON object at the top level")
@@ -141,7 +152,7 @@ def _read_json(path: Path) -> dict:
 def load_special_names(path: str | Path, num_base: int) -> dict[int, str]:
     """id -> name of every entry in tokenizer_config.json's `added_tokens_decoder`."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"tokenizer config not found: {path}")
     decoder = _read_json(path).get("added_tokens_decoder")
     if not isinstance(decoder, dict):
@@ -155,6 +166,9 @@ def load_special_names(path: str | Path, num_base: int) -> dict[int, str]:
             raise ValueError(f"{path}: field {field}.content is missing or not a non-empty string")
         if int(key) < num_base:  # would shadow a BPE rank
             raise ValueError(f"{path}: field {field}: id {key} is below num_base_tokens={num_base}")
+        if int(key) >= num_base + MAX_SPECIAL_TOKENS:   # every id up to it gets a name: bounded
+            raise ValueError(f"{path}: field {field}: id {key} is past num_base_tokens + {MAX_SPECIAL_TOKENS} "
+                             f"= {num_base + MAX_SPECIAL_TOKENS}")
         if entry["content"] in names.values():
             raise ValueError(f"{path}: field {field}: name {entry['content']!r} is used twice")
         names[int(key)] = entry["content"]
@@ -278,7 +292,13 @@ def load_chat_template(directory: str | Path) -> str | None:
     templates: the one named "default"), else None."""
     directory = Path(directory)
     if (directory / CHAT_TEMPLATE_FILE).is_file():
-        return (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+        if (directory / CHAT_TEMPLATE_FILE).stat().st_size > MAX_FILE_BYTES:
+            raise ValueError(f"{directory / CHAT_TEMPLATE_FILE}: more than {MAX_FILE_BYTES >> 20} MiB")
+        try:
+            return (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{directory / CHAT_TEMPLATE_FILE}: not UTF-8 text ({e.reason} at byte {e.start})") \
+                from None
     path = directory / "tokenizer_config.json"
     template = _read_json(path).get("chat_template") if path.is_file() else None
     if isinstance(template, list):
@@ -326,6 +346,200 @@ def split_long_runs(text: str, max_run: int = MAX_RUN_CHARS) -> list[str]:
 # chat templates, rendered as transformers renders them: a sandbox (the template cannot reach Python internals or
 # change its inputs), trim_blocks + lstrip_blocks, {% break %} / {% continue %}, and the same tojson,
 # raise_exception and strftime_now.
+#
+# A template is code that comes with the checkpoint, so a render is also bounded: it must end within
+# MAX_RENDER_S seconds, write at most MAX_RENDER_CHARS characters, and make at most MAX_RENDER_WORK characters
+# along the way (the strings its operators, calls, filters and joins produce). Each call, filter, operator and
+# join checks the clock and counts what it makes; the ones that can make much from little (`'x' * n`,
+# `center(n)`, a format width, `replace('', ...)`, `join`) are checked before they run. In the main thread a
+# timer (SIGALRM) also stops a loop that calls nothing. Past a bound, the render stops with one error naming the
+# template and the bound.
+
+MAX_RENDER_S = 10.0            # seconds
+MAX_RENDER_CHARS = 1 << 24     # characters written: 16 Mi (a whole 262144-token K2.6 context is ~1 Mi)
+MAX_RENDER_WORK = 1 << 26      # characters made along the way: 64 Mi
+MAX_POW_BITS = 1 << 16         # an integer power may have at most this many bits
+
+
+class RenderLimit(Exception):
+    """A render went past one of its bounds (raised inside the template, reported by Tokenizer._render)."""
+
+
+class _Budget:
+    """One render's bounds: its deadline, and the characters it has made so far."""
+
+    def __init__(self, seconds: float, chars: int, work: int):
+        self.seconds, self.chars, self.work = seconds, chars, work
+        self.deadline, self.made = time.monotonic() + seconds, 0
+
+    def tick(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise RenderLimit(f"rendering took longer than {self.seconds:g} s (the render-time limit)")
+
+    def will_make(self, n: int, what: str) -> None:
+        """Refuse, before it runs, an operation that would make a string or list of n characters / items."""
+        if n > self.chars:
+            raise RenderLimit(f"{what} would make {n} characters, more than the output-size limit of {self.chars}")
+
+    def count(self, value):
+        """Count what an operation made (strings by length, containers by their number of items), check the clock."""
+        self.tick()
+        if isinstance(value, (str, list, tuple, dict)):
+            self.made += len(value)
+            if self.made > self.work:
+                raise RenderLimit(f"the template made more than {self.work} characters along the way (the "
+                                  f"render-work limit)")
+        return value
+
+
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("chat_template_budget", default=None)
+
+
+def _expanded_size(x, memo=None) -> int:
+    """Characters / items x stands for once written out: a list holding the same long string n times counts it
+    n times (computed once per distinct object)."""
+    memo = {} if memo is None else memo
+    if isinstance(x, str):
+        return len(x)
+    if not isinstance(x, (list, tuple, dict)) or id(x) in memo:
+        return memo.get(id(x), 1)
+    memo[id(x)] = len(x)                       # a cycle counts once
+    items = list(x.items()) if isinstance(x, dict) else x
+    memo[id(x)] = len(x) + sum(_expanded_size(i, memo) for i in items)
+    return memo[id(x)]
+
+
+_WIDTH = re.compile(r"%[#0 +\-]*(\*|\d+)?(?:\.(\*|\d+))?|\{[^{}]*:([^{}]*)\}")
+
+
+def _format_width(fmt: str, args) -> int:
+    """The largest width / precision a %-format or str.format string asks for (a '*' or nested field: the
+    largest integer argument)."""
+    widths = [0]
+    for m in _WIDTH.finditer(fmt):
+        spec = " ".join(g for g in m.groups() if g)
+        widths += [int(d) for d in re.findall(r"\d+", spec)]
+        if "*" in spec or "{" in spec:
+            widths += [a for a in args if type(a) is int]
+    return max(widths)
+
+
+def _check_growth(b: _Budget, name: str, value, args) -> None:
+    """Before a str method or filter runs: what it would make, where a small argument can make much."""
+    if not isinstance(value, str):
+        return
+    ints = [a for a in args if type(a) is int]
+    if name in ("center", "ljust", "rjust", "zfill") and ints:
+        b.will_make(max(ints), name)
+    elif name == "indent" and ints:
+        b.will_make(len(value) + (value.count("\n") + 1) * max(ints), name)
+    elif name == "expandtabs":
+        b.will_make(len(value) + value.count("\t") * (ints[0] if ints else 8), name)
+    elif name == "replace" and len(args) >= 2 and all(isinstance(a, str) for a in args[:2]):
+        grow = max(0, len(args[1]) - len(args[0]))
+        b.will_make(len(value) + value.count(args[0]) * grow, "replace")
+    elif name == "join" and isinstance(args[0] if args else None, (str, list, tuple)):   # value.join(items)
+        b.will_make(sum(_expanded_size(v) for v in args[0]) + len(value) * len(args[0]), "join")
+    elif name in ("format", "format_map"):
+        b.will_make(len(value) + _format_width(value, list(args)), "a format width")
+
+
+class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """transformers' sandbox (immutable: no Python internals, inputs never changed), with every call, filter,
+    arithmetic operator and join checked against the render's _Budget (none set: unbounded, as transformers)."""
+    intercepted_binops = frozenset(["+", "*", "**", "%"])
+
+    def call_binop(self, context, operator, left, right):
+        b = _BUDGET.get()
+        if b is not None:
+            b.tick()
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if type(n) is int and isinstance(seq, (str, list, tuple)):
+                        b.will_make(n * _expanded_size(seq), "'*'")
+            elif operator == "**" and type(left) is int and type(right) is int and abs(left) > 1:
+                if right * abs(left).bit_length() > MAX_POW_BITS:
+                    raise RenderLimit(f"'**' would make an integer of more than {MAX_POW_BITS} bits")
+            elif operator == "%" and isinstance(left, str):
+                args = right if isinstance(right, tuple) else (right,)
+                b.will_make(len(left) + _format_width(left, args), "a format width")
+        result = super().call_binop(context, operator, left, right)
+        return result if b is None else b.count(result)
+
+    def call(__self, __context, __obj, *args, **kwargs):
+        b = _BUDGET.get()
+        if b is not None:
+            b.tick()
+            method = getattr(__obj, "__wrapped__", __obj)        # the sandbox wraps str.format
+            _check_growth(b, getattr(method, "__name__", ""), getattr(method, "__self__", None),
+                          list(args) + list(kwargs.values()))
+        result = super().call(__context, __obj, *args, **kwargs)
+        return result if b is None else b.count(result)
+
+    @staticmethod
+    def concat(parts):                      # a {% set %} block's or a macro's text
+        text = "".join(parts)
+        b = _BUDGET.get()
+        return text if b is None else b.count(text)
+
+
+def _bounded_filter(name: str, fn):
+    """A filter that checks the render's _Budget around its call (map / select reach filters by name, so each
+    item they map goes through this too)."""
+    @functools.wraps(fn)                     # keeps jinja's pass_context / pass_environment marks
+    def run(*args, **kwargs):
+        b = _BUDGET.get()
+        if b is not None:
+            b.tick()
+            values = [a for a in args if not isinstance(a, (jinja2.runtime.Context, jinja2.Environment,
+                                                            jinja2.nodes.EvalContext))] + list(kwargs.values())
+            if name == "join" and values:           # items|join(sep) is sep.join(items)
+                values = [values[1] if len(values) > 1 and isinstance(values[1], str) else "", values[0]]
+            if values:
+                _check_growth(b, name, values[0], values[1:])
+        result = fn(*args, **kwargs)
+        return result if b is None else b.count(result)
+    return run
+
+
+def _bounded_join(join):
+    """jinja's str_join / markup_join (the `~` operator), counted."""
+    def run(seq):
+        b = _BUDGET.get()
+        return join(seq) if b is None else b.count(join(seq))
+    return run
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """namespace(): each `{% set ns.x = ... %}` checks the clock (a loop may do nothing else)."""
+
+    def __setitem__(self, key, value):
+        b = _BUDGET.get()
+        if b is not None:
+            b.tick()
+        super().__setitem__(key, value)
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float):
+    """In the main thread, RenderLimit raised in whatever Python code runs `seconds` from now (a loop that calls
+    nothing too). Off the main thread there are no signals: the checks in the sandbox's hooks alone."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def ring(signum, frame):
+        raise RenderLimit(f"rendering took longer than {seconds:g} s (the render-time limit)")
+    t0, old = time.monotonic(), signal.signal(signal.SIGALRM, ring)
+    earlier, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        if earlier:               # someone else's timer (a test runner's): resumed with what it had left
+            signal.setitimer(signal.ITIMER_REAL, max(earlier - (time.monotonic() - t0), 1e-3))
+
 
 def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
@@ -333,16 +547,59 @@ def _raise_exception(message: str):
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # not jinja's own tojson, which HTML-escapes <, >, & and ' (a template's `tools | tojson` would change)
+    if type(indent) is int and indent > 64:      # each nested line repeats it: a bound on what tojson makes
+        raise RenderLimit(f"tojson indent={indent}: at most 64")
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 @functools.lru_cache(maxsize=8)
 def compile_chat_template(source: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
+    # optimized=False: jinja's optimizer would run constant filters (`'%9999999999s' | format(1)`) while
+    # compiling, outside every bound; unoptimized, they run in the render, where the bounds hold
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols], optimized=False)
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    return env.from_string(source)
+    env.filters = {name: _bounded_filter(name, fn) for name, fn in env.filters.items()}
+    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                       namespace=_Namespace)
+    template = env.from_string(source)
+    names = template.root_render_func.__globals__    # the compiled module's: `~` calls its str_join
+    for join in ("str_join", "markup_join"):
+        if join in names:
+            names[join] = _bounded_join(names[join])
+    return template
+
+
+def render_bounded(source: str, variables: dict, seconds: float = MAX_RENDER_S, chars: int = MAX_RENDER_CHARS,
+                   work: int = MAX_RENDER_WORK) -> str:
+    """The template `source` compiled and rendered with `variables` within the bounds (RenderLimit past one),
+    written piece by piece so that the output-size limit stops a long render as soon as it is passed."""
+    if len(source) > chars:
+        raise RenderLimit(f"the template is {len(source)} characters long, more than the output-size limit")
+    budget = _Budget(seconds, chars, work)
+    token = _BUDGET.set(budget)
+    parts, n = [], 0
+    try:
+        with _alarm(seconds):
+            for part in compile_chat_template(source).generate(**variables):
+                n += len(part)
+                if n > chars:
+                    raise RenderLimit(f"the rendered text is longer than {chars} characters (the output-size "
+                                      f"limit)")
+                budget.tick()
+                parts.append(part)
+    finally:
+        _BUDGET.reset(token)
+    return "".join(parts)
+
+
+def _template_line(tb) -> int | None:
+    """The template line a runtime error came from: jinja maps its frames to the template's lines."""
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
 
 
 def chat_messages(messages) -> list[dict]:
@@ -379,6 +636,10 @@ def chat_messages(messages) -> list[dict]:
 # private-use characters, so the render shows which special-token strings the template wrote (-> ids) and which
 # came from a message (-> plain text). A marker character in the input is wrapped too, so no input forges a span.
 _OPEN, _CLOSE = "\ue000", "\ue001"
+# Chat markup: what a template writes to mean a special token (<|im_end|>, [BOS], <think>). Markup the template
+# writes must be a special token of the tokenizer: one it does not define would be encoded as plain text.
+_MARKUP = "|".join([r"<\|[^|<>\s]{1,64}\|>"] + [re.escape(n) for n in _KIMI_SPECIAL_OFFSETS.values()
+                                                 if not n.startswith("<|")])
 
 
 class Tokenizer:
@@ -386,7 +647,8 @@ class Tokenizer:
 
     def __init__(self, mergeable_ranks: dict[bytes, int], special_names: dict[int, str],
                  eos_ids: Iterable[int] = (), name: str = "kimi", chat_template: str | None = None,
-                 template_tokens: dict[str, str] | None = None, source: str = "this tokenizer"):
+                 template_tokens: dict[str, str] | None = None, source: str = "this tokenizer",
+                 template_file: str | None = None):
         self.num_base_tokens = len(mergeable_ranks)
         n = self.num_base_tokens
         # every named id, plus reserved names for the gaps in n..n+255 (more if a name sits beyond that)
@@ -404,19 +666,32 @@ class Tokenizer:
         self.chat_template = chat_template              # Jinja source; settable, compiled on first use
         self.template_tokens = dict(template_tokens or {})
         self.source = source
+        self._template_file = (template_file, chat_template)   # where the template was read from
+        # a render's bounds (see MAX_RENDER_S): settable
+        self.render_seconds, self.render_chars, self.render_work = MAX_RENDER_S, MAX_RENDER_CHARS, MAX_RENDER_WORK
         names = "|".join(map(re.escape, sorted(self.special_tokens, key=len, reverse=True)))  # longest first
         self._special_re = re.compile(f"({names})")                               # split() keeps the names
-        self._typed_re = re.compile(f"{names}|[{_OPEN}{_CLOSE}]")                  # what _mark wraps
-        self._marked_re = re.compile(f"{_OPEN}({names}|[{_OPEN}{_CLOSE}]){_CLOSE}")  # a wrapped span
+        self._markup_re = re.compile(_MARKUP)
+        self._typed_re = re.compile(f"{names}|{_MARKUP}|[{_OPEN}{_CLOSE}]")         # what _mark wraps
+        self._marked_re = re.compile(f"{_OPEN}({names}|{_MARKUP}|[{_OPEN}{_CLOSE}]){_CLOSE}")  # a wrapped span
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
         path = Path(path)
         ranks = load_tiktoken_model(path / "tiktoken.model")
         special = load_special_names(path / "tokenizer_config.json", num_base=len(ranks))
+        template_file = (path / CHAT_TEMPLATE_FILE if (path / CHAT_TEMPLATE_FILE).is_file()
+                         else f"{path / 'tokenizer_config.json'} (field chat_template)")
         return cls(ranks, special, load_eos_ids(path / "generation_config.json"), name=path.name or "kimi",
                    chat_template=load_chat_template(path),
-                   template_tokens=load_template_tokens(path / "tokenizer_config.json"), source=str(path))
+                   template_tokens=load_template_tokens(path / "tokenizer_config.json"), source=str(path),
+                   template_file=str(template_file))
+
+    @property
+    def template_name(self) -> str:
+        """The chat template's file, for errors (or 'this tokenizer chat template' once it was set by hand)."""
+        file, loaded = self._template_file
+        return file if file and self.chat_template == loaded else f"{self.source} chat template"
 
     @property
     def vocab_size(self) -> int:
@@ -455,7 +730,13 @@ class Tokenizer:
         return ids
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        return self.enc.decode_bytes(list(ids))
+        """The bytes of ids. An id past the tokenizer (a model whose vocabulary is padded past it may sample one)
+        reads as <|id N: not in the tokenizer|>, never an error in the middle of a stream."""
+        ids, n = list(ids), self.vocab_size
+        if all(0 <= i < n for i in ids):
+            return self.enc.decode_bytes(ids)
+        return b"".join(self.enc.decode_bytes([i]) if 0 <= i < n else f"<|id {i}: not in the tokenizer|>".encode()
+                        for i in ids)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
@@ -478,7 +759,7 @@ class Tokenizer:
         text = self._render(marked, add_generation_prompt)
         # a template that edits strings (escapes, slices) may have moved the markers: then refuse, never guess
         if marked != inputs and self._unmark(text) != self._render(inputs, add_generation_prompt):
-            raise ValueError(f"{self.source} chat template: it rewrites special-token strings found in a message "
+            raise ValueError(f"{self.template_name}: it rewrites special-token strings found in a message "
                              f"(e.g. escapes them), so they cannot be kept as plain text")
         return self._encode_rendered(text)
 
@@ -489,13 +770,16 @@ class Tokenizer:
             raise ValueError(f"{self.source}: no chat template (no {CHAT_TEMPLATE_FILE}, no 'chat_template' in "
                              f"tokenizer_config.json): encode raw text, or set Tokenizer.chat_template")
         try:
-            template = compile_chat_template(self.chat_template)
-            variables = {**self.template_tokens, "documents": None, **kwargs}
-            return template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                   **variables)
-        except jinja2.TemplateError as e:  # syntax errors, raise_exception(...), undefined attributes
-            line = f", line {e.lineno}" if getattr(e, "lineno", None) else ""
-            raise ValueError(f"{self.source} chat template{line}: {e.message or type(e).__name__}") from None
+            variables = {**self.template_tokens, "documents": None, **kwargs, "messages": messages, "tools": tools,
+                         "add_generation_prompt": add_generation_prompt}
+            return render_bounded(self.chat_template, variables, self.render_seconds, self.render_chars,
+                                  self.render_work)
+        except Exception as e:  # syntax, raise_exception(...), a bound, a sandbox refusal, include, recursion: any
+            lineno = e.lineno if isinstance(e, jinja2.TemplateSyntaxError) else _template_line(e.__traceback__)
+            line = f", line {lineno}" if lineno else ""
+            what = " ".join(str(getattr(e, "message", None) or e).split()) or type(e).__name__
+            what = what if len(what) <= 300 else what[:297] + "..."
+            raise ValueError(f"{self.template_name}{line}: {what}") from None
 
     def _mark(self, obj):
         """obj with every special-token string (and marker character) inside its strings wrapped; keys kept."""
@@ -532,8 +816,12 @@ class Tokenizer:
                     if j % 2:
                         flush()
                         ids.append(self.special_tokens[part])
-                    else:
-                        run.append(part)
+                        continue
+                    if m := self._markup_re.search(part):      # the template's own text, not an input's
+                        raise ValueError(f"{self.template_name}: the template writes {m.group(0)!r}, which "
+                                         f"{self.source}/tokenizer_config.json does not define as a special token "
+                                         f"(added_tokens_decoder): it would be encoded as plain text")
+                    run.append(part)
         flush()
         return ids
 

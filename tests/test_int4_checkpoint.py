@@ -543,10 +543,17 @@ def test_compressed_tensors_asymmetric_or_8bit_rejected(tmp_path, weights, patte
 
 
 def test_mtp_layer_tensors_are_skipped(k26):
-    """Layers past num_hidden_layers (multi-token prediction) are skipped, their routed experts included.
-    K2.6 has none (num_nextn_predict_layers 0), DeepSeek-V3-style checkpoints do."""
+    """The layers past num_hidden_layers that num_nextn_predict_layers declares (multi-token prediction) are
+    skipped, their routed experts included. K2.6 has none (num_nextn_predict_layers 0), DeepSeek-V3-style
+    checkpoints do; undeclared, such a layer is an error (a config that names too few layers)."""
     extra = {"language_model.model.layers.3.input_layernorm.weight": torch.ones(64),
              "language_model.model.layers.3.mlp.experts.0.gate_proj.weight_packed":
                  torch.zeros(64, 8, dtype=torch.int32)}
     _rewrite(k26, "layers.0.input_layernorm.weight", lambda t, n: t.update(extra))
+    with pytest.raises(C.CheckpointError, match=r"layers\.3\..* is of layer 3, past config.json's "
+                                                r"num_hidden_layers = 3 \(\+ num_nextn_predict_layers = 0\)"):
+        _load(k26)
+    cfg = json.load(open(k26 / "config.json"))
+    cfg["text_config"]["num_nextn_predict_layers"] = 1
+    json.dump(cfg, open(k26 / "config.json", "w"))
     _load(k26)

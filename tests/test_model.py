@@ -343,7 +343,7 @@ def test_loader_errors(tmp_path):
 
 def test_config_errors(tmp_path):
     for over, word in [({"scoring_func": "softmax"}, "scoring_func"), ({"topk_method": "greedy"}, "topk_method"),
-                       ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling type"),
+                       ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type"),
                        ({"model_type": "llama"}, "model_type")]:
         with pytest.raises(ValueError, match=word):
             M.ModelArgs.from_config(tiny.text_config(**over))

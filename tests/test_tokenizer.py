@@ -420,7 +420,7 @@ def test_template_environment_matches_transformers(chat_tok, hf_render):
         ours = chat_tok.apply_chat_template(messages, tools=tools, add_generation_prompt=False, tokenize=False)
         assert ours == hf_render(FEATURES, messages, tools, False)
         assert ours.startswith("[BOS][user] é <b>\n1 [{") and ours.rstrip().endswith("[EOS]")
-        with pytest.raises(ValueError, match="chat template: no generation here$"):
+        with pytest.raises(ValueError, match="chat template, line 4: no generation here$"):
             chat_tok.apply_chat_template(messages)
     finally:
         chat_tok.chat_template = old
