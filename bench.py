@@ -392,7 +392,7 @@ def oracle_tree(target, ctx: list[int], budget: int, depth: int, temperature: fl
     parent, token, prob, path, logits, ranked = [-1], [ctx[-1]], [1.0], [[]], [], []
 
     def expand(i: int) -> None:   # node i's logits, its next tokens by probability (ties: lower id first)
-        x = target(torch.tensor([ctx + path[i]], device=dev), last_only=True)[0, -1]               # [V] fp32
+        x = target(torch.tensor([ctx + path[i]], device=dev), last_only=True).logits[0, -1]        # [V] fp32
         logits.append(x)
         ranked.append(V.sampling_probs(x, temperature).sort(descending=True, stable=True))          # [V] each
     expand(0)
@@ -420,7 +420,7 @@ def oracle_decode(target, prompt: list[int], max_new_tokens: int, budget: int, d
     as generate's prefill does; every step counts all it commits, as Stats.accept_lens does (the last one may run
     past max_new_tokens), and no step is cut: the run stops before a step could pass max_seq_len."""
     g = torch.Generator(target.embed_tokens.weight.device).manual_seed(seed)
-    first = V.sample(target(torch.tensor([prompt], device=g.device), last_only=True)[0, -1], temperature,
+    first = V.sample(target(torch.tensor([prompt], device=g.device), last_only=True).logits[0, -1], temperature,
                      generator=g)
     ctx, n, steps = prompt + [int(first)], 1, []
     while n < max_new_tokens and len(ctx) + depth + 1 <= max_seq_len:

@@ -218,7 +218,7 @@ class Step:
 
     def ar(self, hook=None) -> None:
         """One autoregressive token per row: no drafter, budget 0, or a tree that no longer fits in the cache."""
-        logits = self.model(self.bonus.view(-1, 1), start_pos=self.start, debug=self.debug)       # [B, 1, V]
+        logits = self.model(self.bonus.view(-1, 1), start_pos=self.start, debug=self.debug).logits  # [B, 1, V]
         tok = V.sample(logits[:, -1], *self.sampling)                                              # [B]
         self.out[:, 1] = tok
         self._advance(self.active, tok)            # one token per row still decoding
@@ -233,8 +233,8 @@ class Step:
         out of the drafter's context: its rows run on from the older ones."""
         bs = self.drafter.block_size
         p0 = (self.start - bs).clamp(min=0)                     # [B] the window's first position (short rows: 0)
-        _, hidden = self.model(self.recent, start_pos=p0, hidden_layers=self.taps, last_only=True,
-                               debug=self.debug)                                                  # [B, bs, taps*D]
+        hidden = self.model(self.recent, start_pos=p0, hidden_layers=self.taps, last_only=True,
+                            debug=self.debug).hidden                                              # [B, bs, taps*D]
         self.n_ctx.mul_(self.active)                            # finished rows take nothing
         rows = (self.start - p0 - self.n_ctx)[:, None] + torch.arange(bs, device=p0.device)      # [B, bs]
         torch.gather(hidden, 1, rows.clamp(max=bs - 1)[:, :, None].expand_as(hidden), out=self.ctx_feats)
@@ -261,8 +261,8 @@ class Step:
             res = self.model(torch.tensor([p], device=self.bonus.device), start_pos=0, hidden_layers=self.taps,
                              last_only=True, cache_row=b, debug=debug)
             if self.drafter is not None:
-                self.drafter.append_context(res[1], 0, row=b)
-            self.bonus[b:b + 1] = V.sample((res[0] if self.taps else res)[:, -1], *self.sampling)
+                self.drafter.append_context(res.hidden, 0, row=b)
+            self.bonus[b:b + 1] = V.sample(res.logits[:, -1], *self.sampling)
             self.start[b] = len(p)
         self.ctx_len.copy_(self.start)
         self.n_ctx.zero_()

@@ -174,7 +174,7 @@ def test_auto_sampling_keeps_the_target_distribution(target, drafter, monkeypatc
             if len(nxt) < 150:
                 continue
             with torch.no_grad():
-                logits = target(torch.tensor([prompt + list(ctx)]))[0, -1]                # [V]
+                logits = target(torch.tensor([prompt + list(ctx)])).logits[0, -1]         # [V]
             kth = logits.topk(topk).values[-1]
             p = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
             freq = torch.bincount(torch.tensor(nxt), minlength=p.numel()).float()

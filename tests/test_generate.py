@@ -267,7 +267,7 @@ def test_greedy_with_cache_equals_recompute(target):
     seq = [4, 8, 15, 16, 23, 42]
     with torch.no_grad():
         for _ in range(20):
-            seq.append(int(target(torch.tensor([seq]))[0, -1].argmax()))
+            seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))
     assert G.generate(target, seq[:6], 20, max_seq_len=64) == seq[6:]
 
 
@@ -300,8 +300,8 @@ def test_compiled_bf16_forward_rounds_like_eager():
                                   target.args.vocab_size, False)[0][0]
     x = torch.tensor([prompt])                                                   # [1, T]
     with torch.no_grad():
-        eager = target(x).float()                                                # [1, T, vocab]
-        compiled = torch.compile(target.forward, dynamic=False, options=G.compile_options())(x).float()
+        eager = target(x).logits.float()                                         # [1, T, vocab]
+        compiled = torch.compile(target.forward, dynamic=False, options=G.compile_options())(x).logits.float()
     rel = ((compiled - eager).abs().max() / eager.abs().max()).item()
     agree = (compiled.argmax(-1) == eager.argmax(-1)).float().mean().item()
     assert rel <= 0.003 and agree >= 0.99, (rel, agree)
