@@ -1253,12 +1253,12 @@ def bench_step(a, device, dtype) -> dict:
             G.generate(target, ids, 16, drafter=drafter if budget else None, budget=budget, mode=mode,
                        max_seq_len=len(ids) + 16 + 2 * (budget + 1) + 64)   # compiles / captures the step
             (runner,) = G.Step.cache.values()
-            restore = runner.snapshot()
-            step = lambda: runner.run(budget > 0)  # the plain, compiled or captured step; no host read
+            restore = runner.state.snapshot()
+            step = lambda: runner.launch(runner.spec if budget else runner.ar)   # plain, compiled or captured
             restore(), step()
-            first = runner.out.clone()            # [1, N+1]: accept length, committed tokens
+            first = runner.state.out.clone()      # [1, N+1]: accept length, committed tokens
             us = _event_median_us(step, restore, device)
-            same = torch.equal(runner.out, first)  # every timed call was the same step
+            same = torch.equal(runner.state.out, first)  # every timed call was the same step
             k, k0 = kernel_times(lambda: (restore(), step()), device), kernel_times(restore, device)
             kern = None if k["kernels_us"] is None else k["kernels_us"] - k0["kernels_us"]
             rows.append({"mode": mode, "budget": budget, "us": us, "kernels_us": kern, "same_step": same,

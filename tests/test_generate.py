@@ -4,6 +4,7 @@ Run: python -m pytest -q tests/test_generate.py"""
 import pytest
 import torch
 
+import autobudget as A
 import checkpoint as C
 import generate as G
 import tiny
@@ -243,8 +244,8 @@ def test_steps_are_reused_then_cleared(target, real_drafter):
 def test_no_host_sync_in_step_functions():
     import inspect
     import verify as V
-    for fn in (G.Step.spec, G.Step.ar, V.verify_inputs, V.sample, V.accept, V.commit_kv,
-               T.build_tree_batched, T.chain_tree_batched):
+    for fn in (G.Step.spec, G.Step.ar, G.Step._commit, A.AutoStep.catch_up, V.verify_inputs, V.sample, V.accept,
+               V.commit_kv, T.build_tree_batched, T.chain_tree_batched):
         src = inspect.getsource(fn)
         for bad in (".item()", ".tolist()", ".cpu()", "int(", ".numpy()"):
             assert bad not in src, (fn.__qualname__, bad)
