@@ -3,10 +3,12 @@ Tests for tree.py: the fixed-shape DDTree builder (ddtree_search) must equal the
 
     python -m pytest -q tests/test_tree.py
 """
+import ast
 import inspect
 import itertools
 import os
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -129,6 +131,31 @@ def test_hand_built():
                                                   [1, 0, 0, 1, 0],
                                                   [1, 0, 0, 1, 1]]
         assert np.allclose(t.scores.exp().numpy(), [1, 0.6, 0.42, 0.3, 0.21])
+
+
+def test_worked_example_in_the_search_docstring():
+    """ddtree_search's docstring works an example through its three steps, and runs it: the run prints what the
+    text says (doctest), and the heap builds the same tree."""
+    import doctest
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner()
+    (test,) = finder.find(T.ddtree_search.ref, "ddtree_search", globs=vars(T).copy())
+    runner.run(test)
+    assert runner.summarize(verbose=False) == (0, len(test.examples)) and len(test.examples) >= 6
+    q = torch.tensor([[.10, .60, .25, .05], [.50, .10, .30, .10], [.80, .10, .05, .05]])
+    assert_same_tree(build_tree(q.log(), 7, 4), build_tree_heap(q.log(), 7, 4))
+    assert build_tree(q.log(), 7, 4).tokens.tolist() == [7, 1, 0, 2, 0]
+
+
+def test_ancestor_mask_is_the_walk_up():
+    """The one mask builder: row i marks the nodes on the walk up from i; a batch of parent lists, padding nodes
+    (-1) alone in their rows, and the depth bound (fewer steps than the tree is deep leave rows short)."""
+    assert T.ancestor_mask([-1, 0, 0, 1, 3]).int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0],
+                                                                 [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]
+    batch = torch.tensor([[-1, 0, 1, 2, -1], [-1, 0, 0, 2, -1]])
+    m = T.ancestor_mask(batch, 3)
+    assert m.shape == (2, 5, 5) and m[0, 3].tolist() == [True] * 4 + [False]
+    assert m[1, 3].tolist() == [True, False, True, True, False] and m[:, 4].int().tolist() == [[0, 0, 0, 0, 1]] * 2
+    assert torch.equal(T.ancestor_mask(batch, 2)[0, 3], torch.tensor([False, True, True, True, False]))
 
 
 def test_hand_built_cross_depth_tie():
@@ -283,8 +310,8 @@ def test_mask_bits_width():
 
 def test_builder_op_count():
     """Where the search kernel does not fit, the tensor-op builder is launch-bound (tiny tensors, about one kernel
-    per aten op): it stays at six ops per depth plus a constant. Counts the non-view aten ops of one B=8, L=7
-    search from ranked drafts (its plan already made), mask packing included."""
+    per aten op): it stays at seven ops per depth plus a constant. Counts the non-view aten ops of one budget-8,
+    L=7 search from ranked drafts (its plan already made), the ancestor mask and its packing included."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -299,7 +326,7 @@ def test_builder_op_count():
     T.ddtree_search.ref(lp, tok, roots, 8)
     with Count():
         T.ddtree_search.ref(lp, tok, roots, 8)
-    assert Count.n <= 67, Count.n
+    assert Count.n <= 75, Count.n
 
 
 def test_rank_tokens_keys_equal_stable_sort():
@@ -323,10 +350,19 @@ def test_rank_tokens_keys_equal_stable_sort():
         assert torch.equal(lp.view(torch.int32), want_lp[..., :k].view(torch.int32)), f"trial {trial}"
 
 
+def code_of(fn) -> str:
+    """fn's source without its docstring (ddtree_search's runs an example that reads the host)."""
+    node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    if ast.get_docstring(node) is not None:
+        node.body = node.body[1:]
+    return ast.unparse(node)
+
+
 def test_no_host_sync_in_builder():
     for fn in (T.build_tree, T.build_tree_batched, T.ddtree_search, T.rank_tokens, T.rank_topk, T.pack_rows,
-               T._lex_order, T._ancestor_mask, T._assemble, T._plan, T._pad, T.chain_tree, T.chain_tree_batched):
-        src = inspect.getsource(fn)
+               T._expand, T._select, T._lex_order, T._fields, T._tree, T.ancestor_mask, T._plan, T.chain_tree,
+               T.chain_tree_batched):
+        src = code_of(fn)
         for bad in (".item(", ".tolist(", ".cpu(", ".numpy(", "nonzero("):
             assert bad not in src, f"{fn.__name__} calls {bad}"
 
