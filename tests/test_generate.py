@@ -68,7 +68,8 @@ def ar_runs(target):
     return runs
 
 
-@pytest.mark.parametrize("budget", [1, 2, 8, 16, 32])
+@pytest.mark.parametrize("budget", [pytest.param(1, marks=pytest.mark.quick), 2, pytest.param(8, marks=pytest.mark.quick),
+                                    16, 32])
 @pytest.mark.parametrize("kind", ["perfect", "random", "adversarial"])
 def test_greedy_ddtree_equals_autoregressive(target, ar_runs, budget, kind):
     for seed, (prompt, ar, ar_cache) in enumerate(ar_runs):
@@ -83,6 +84,7 @@ def test_greedy_ddtree_equals_autoregressive(target, ar_runs, budget, kind):
         assert sum(stats.accept_lens) + 1 >= len(dd)
 
 
+@pytest.mark.quick
 def test_chain_mode_and_stops(target):
     prompt = [3, 4, 5, 6]
     ar = _greedy_ar(target, prompt, 30, max_seq_len=96)
@@ -115,6 +117,7 @@ def test_streaming_callback_sees_every_token(target):
     assert seen == out and len(out) == 25
 
 
+@pytest.mark.quick
 def test_sampling_distribution_matches_target():
     """Temperature-1 DDTree acceptance commits tokens distributed as the target: the first token follows
     p(x1), and the second, given the first, follows p(x2 | x1). Vectorised over many independent rows with
@@ -155,7 +158,8 @@ def real_drafter(target):
     return d
 
 
-@pytest.mark.parametrize("budget,chain", [(1, False), (4, False), (16, False), (70, False), (0, True)])
+@pytest.mark.parametrize("budget,chain", [pytest.param(1, False, marks=pytest.mark.quick), (4, False), (16, False),
+                                          (70, False), pytest.param(0, True, marks=pytest.mark.quick)])
 def test_step_equals_autoregressive_with_or_without_the_clock(target, real_drafter, budget, chain):
     """The one step, called with eager's stage clock or without it ("static": what --compile and --cuda-graph wrap),
     commits the autoregressive tokens in the same steps; budget 70 (> 64: the attention takes the reference path)
@@ -251,7 +255,7 @@ def test_no_host_sync_in_step_functions():
             assert bad not in src, (fn.__qualname__, bad)
 
 
-@pytest.mark.parametrize("budget", [1, 4, 8, 16, 32])
+@pytest.mark.parametrize("budget", [1, 4, pytest.param(8, marks=pytest.mark.quick), 16, 32])
 def test_real_drafter_ddtree_equals_autoregressive(target, real_drafter, ar_runs, budget):
     """The real DFlash drafter (random weights) through the real loop: same tokens as AR, with prompts of
     several lengths, runs that end at the length limit and at a stop token."""

@@ -27,6 +27,7 @@ def hf_model(cfg, seed=0):
     return hf
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("over", [{}, {"n_group": 4, "topk_group": 2, "n_routed_experts": 16, "num_experts_per_tok": 4},
                                   {"rope_scaling": None}])
 def test_parity_with_transformers(tmp_path, over):
@@ -64,6 +65,7 @@ def _prefill_then_decode(model, tokens, split, absorb_prefill=None):
     return torch.cat(outs, dim=1)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("absorb_prefill", [False, True])
 def test_cached_absorbed_equals_full_naive(absorb_prefill):
     model = tiny.random_model(tiny.text_config(), seed=2)

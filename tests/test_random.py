@@ -139,6 +139,7 @@ def _worker(r, ws, port, tokens, out_dir):
             dist.destroy_process_group()
 
 
+@pytest.mark.quick
 def test_tp2_equals_tp1(tmp_path):
     """Each rank builds only its slice (no checkpoint, no communication while building), and TP=2 computes what
     TP=1 does: logits, draft logits, greedy tokens."""

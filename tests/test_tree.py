@@ -116,6 +116,7 @@ def test_ref_matches_bruteforce():
             assert ref.depths[node] == len(ranks) and ref.scores[node] == -neg
 
 
+@pytest.mark.quick
 def test_hand_built():
     # depth 1: q(2)=.6 q(0)=.3 q(1)=.1   depth 2: q(1)=.7 q(0)=.2 q(2)=.1
     # best prefixes: (2) .6, (2,1) .42, (0) .3, (0,1) .21, then (2,0) .12 is cut by B=4
@@ -133,6 +134,7 @@ def test_hand_built():
         assert np.allclose(t.scores.exp().numpy(), [1, 0.6, 0.42, 0.3, 0.21])
 
 
+@pytest.mark.quick
 def test_worked_example_in_the_search_docstring():
     """ddtree_search's docstring works an example through its three steps, and runs it: the run prints what the
     text says (doctest), and the heap builds the same tree."""
@@ -196,6 +198,7 @@ def test_degenerate_sizes():
     assert t.parents.tolist() == [-1, 0, 1, 2] and t.tokens.tolist() == [2, 0, 0, 0]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kind", ["gauss", "ints", "uniform", "peaked"])
 def test_matches_ref_random(kind):
     g = torch.Generator().manual_seed(["gauss", "ints", "uniform", "peaked"].index(kind))
@@ -211,6 +214,7 @@ def test_matches_ref_random(kind):
             check_invariants(t, L, B)
 
 
+@pytest.mark.quick
 def test_frontier_lex_order_regression():
     # Children of parents with *different* scores can tie. Here (1,0) outscores (0,1) at depth 2,
     # yet x = (0,1,0) must precede its 7 tied cousins (1,0,j): lexicographic tuple order, not the
@@ -223,6 +227,7 @@ def test_frontier_lex_order_regression():
         assert_same_tree(build_tree(x, 0, B), build_tree_heap(x, 0, B), f"B={B}")
 
 
+@pytest.mark.quick
 def test_matches_ref_exact_ties(monkeypatch):
     # Feed integer logp tables directly (skip log_softmax): float sums are then exact, so ties
     # between different paths, within and across depths, are frequent rather than lucky.
