@@ -54,15 +54,15 @@ class AutoStep:
     def next_step(self, fits: bool, prompts: list[list[int]], outs: list[list[int]], hook=None):
         """One step for every row, a tree or one token as the controller says (one token when a
         tree does not fit); before a tree that follows one-token steps, catch_up. prompts, outs:
-        each row's tokens so far. Returns (a tree?, each row's committed tokens)."""
+        each row's tokens so far. Returns (a tree step?, each row's committed tokens)."""
         s, c = self.step, self.control
-        tree = fits and c.tree()
-        if tree and c.since_tree:
+        tree_step = fits and c.tree()
+        if tree_step and c.since_tree:
             self.catch_up_on([p + o for p, o in zip(prompts, outs)], c.since_tree)
-        rows = s.run(s.spec if tree else s.ar, hook)
+        rows = s.run(s.spec if tree_step else s.ar, hook)
         live = [len(new) for new in rows if new]          # finished rows commit nothing
-        c.observe(tree, sum(live) / len(live))
-        return tree, rows
+        c.observe(tree_step, sum(live) / len(live))
+        return tree_step, rows
 
     def catch_up(self, hook=None) -> None:
         """A step function, compiled or captured like spec and ar: the drafter gets the last

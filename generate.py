@@ -134,11 +134,11 @@ class Step:
         hidden states into the drafter's context, its first token into bonus."""
         s = self.state
         for b, p in enumerate(prompts):
-            out = self.model(torch.tensor([p], device=s.bonus.device), start_pos=0, last_only=True,
+            fwd = self.model(torch.tensor([p], device=s.bonus.device), start_pos=0, last_only=True,
                              hidden_layers=self.taps, cache_row=b, debug=debug)
             if self.drafter is not None:
-                self.drafter.append_context(out.hidden, 0, row=b)
-            s.bonus[b:b + 1] = V.sample(out.logits[:, -1], *self.sampling)
+                self.drafter.append_context(fwd.hidden, 0, row=b)
+            s.bonus[b:b + 1] = V.sample(fwd.logits[:, -1], *self.sampling)
             s.start[b] = len(p)
         s.ctx_len.copy_(s.start)
         s.new_ctx_len.zero_()
@@ -313,7 +313,7 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
     drafter = drafter if budget > 0 or chain else None
     step = Step.get(model, drafter, B, max_seq_len, budget, chain, (temperature, top_k, top_p),
                     mode, debug)
-    stop, clock = set(int(s) for s in stop_ids), _Clock(dev, stats)
+    stop, clock = set(int(t) for t in stop_ids), _Clock(dev, stats)
     torch.manual_seed(seed)     # every sample draws from the default generator (a graph replays it)
     # 0. prefill: each prompt's KV, its first token, its context rows for the drafter
     step.prefill(prompts, debug)
@@ -356,13 +356,13 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
         clock.laps = {}
         # 1-5. one step for every row: draft, build tree, verify, accept, commit (or one token)
         if auto is None:
-            tree, rows = fits, step.run(step.spec if fits else step.ar, hook)
+            tree_step, rows = fits, step.run(step.spec if fits else step.ar, hook)
         else:                            # --budget auto picks a tree or one token, and runs it
-            tree, rows = auto.next_step(fits, prompts, outs, hook)
+            tree_step, rows = auto.next_step(fits, prompts, outs, hook)
         if hook is None:
             clock.stage("verify")        # compiled, captured or static: the whole step's time
         stats.step_s.append(clock.laps)
-        stats.budgets[step.width - 1 if tree else 0] += 1   # a chain: its drafted tokens
+        stats.budgets[step.width - 1 if tree_step else 0] += 1   # a chain: its drafted tokens
         if debug:
             check_ranks_agree(rows)
         # 6. stream each row's committed tokens; a row stops on a stop token or the length limit
@@ -370,7 +370,7 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
             if not done[b]:
                 start[b] += len(new)
                 stats.accept_lens.append(len(new))
-                if on_step and tree:
+                if on_step and tree_step:
                     on_step(b, step.view, new)
                 emit(b, new)
     stats.new_tokens = sum(map(len, outs))
