@@ -69,8 +69,9 @@ class State:
 
 class Step:
     """One decoding step for a batch of rows: spec (a tree, or the chain) and ar (one token), on the
-    buffers of `state`. A finished row is masked, not removed: it commits nothing, and its writes
-    land past its last token, where nothing reads them."""
+    buffers of `state`; __init__, at the end, sets its settings (model, drafter, budget, width,
+    taps). A finished row is masked, not removed: it commits nothing, and its writes land past its
+    last token, where nothing reads them."""
     cache: dict = {}       # one Step (and its graphs) per shape and setting, reused: see get
 
     def spec(self, hook=None) -> View:
