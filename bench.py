@@ -398,7 +398,7 @@ def oracle_tree(target, ctx: list[int], budget: int, depth: int, temperature: fl
     parent, token, prob, path, logits, ranked = [-1], [ctx[-1]], [1.0], [[]], [], []
 
     def expand(i: int) -> None:   # node i's logits, its next tokens by probability (ties: lower id first)
-        x = target(torch.tensor([ctx + path[i]], device=dev), last_only=True)[0, -1]               # [V] fp32
+        x = target(torch.tensor([ctx + path[i]], device=dev), last_only=True).logits[0, -1]        # [V] fp32
         logits.append(x)
         ranked.append(V.sampling_probs(x, temperature).sort(descending=True, stable=True))          # [V] each
     expand(0)
@@ -426,7 +426,7 @@ def oracle_decode(target, prompt: list[int], max_new_tokens: int, budget: int, d
     as generate's prefill does; every step counts all it commits, as Stats.accept_lens does (the last one may run
     past max_new_tokens), and no step is cut: the run stops before a step could pass max_seq_len."""
     g = torch.Generator(target.embed_tokens.weight.device).manual_seed(seed)
-    first = V.sample(target(torch.tensor([prompt], device=g.device), last_only=True)[0, -1], temperature,
+    first = V.sample(target(torch.tensor([prompt], device=g.device), last_only=True).logits[0, -1], temperature,
                      generator=g)
     ctx, n, steps = prompt + [int(first)], 1, []
     while n < max_new_tokens and len(ctx) + depth + 1 <= max_seq_len:
@@ -1446,12 +1446,12 @@ def bench_step(a, device, dtype) -> dict:
             G.generate(target, ids, 16, drafter=drafter if budget else None, budget=budget, mode=mode,
                        max_seq_len=len(ids) + 16 + 2 * (budget + 1) + 64)   # compiles / captures the step
             (runner,) = G.Step.cache.values()
-            restore = runner.snapshot()
-            step = lambda: runner.run(budget > 0)  # the plain, compiled or captured step; no host read
+            restore = runner.state.snapshot()
+            step = lambda: runner.launch(runner.spec if budget else runner.ar)   # plain, compiled or captured
             restore(), step()
-            first = runner.out.clone()            # [1, N+1]: accept length, committed tokens
+            first = runner.state.out.clone()      # [1, N+1]: accept length, committed tokens
             us = _event_median_us(step, restore, device)
-            same = torch.equal(runner.out, first)  # every timed call was the same step
+            same = torch.equal(runner.state.out, first)  # every timed call was the same step
             k, k0 = kernel_times(lambda: (restore(), step()), device), kernel_times(restore, device)
             kern = None if k["kernels_us"] is None else k["kernels_us"] - k0["kernels_us"]
             rows.append({"mode": mode, "budget": budget, "us": us, "kernels_us": kern, "same_step": same,

@@ -16,7 +16,7 @@ Usage:
     import checkpoint
     model = Transformer(ModelArgs.from_config("ckpt/"))   # current default device and dtype
     checkpoint.load_checkpoint(model, "ckpt/")
-    logits = model(tokens)                               # [B, T] int64 -> [B, T, vocab] fp32, no cache used
+    logits = model(tokens).logits                        # [B, T] int64 -> [B, T, vocab] fp32, no cache used
 Tests: python -m pytest -q tests/test_model.py
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -705,6 +706,12 @@ class Block(nn.Module):
 ABSORB_MAX_T = 64
 
 
+class Output(NamedTuple):
+    """What Transformer.forward returns, whatever its arguments."""
+    logits: torch.Tensor                 # [B, T, vocab] fp32 ([B, 1, vocab] with last_only)
+    hidden: torch.Tensor | None          # [B, T, len(hidden_layers) * hidden_size] the tapped layers; or None
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -735,15 +742,18 @@ class Transformer(nn.Module):
         return 0 if self.kv_cache is None else self.kv_cache.shape[2]
 
     def forward(self, tokens: torch.Tensor, start_pos=None, positions=None, tree_mask=None,
-                hidden_layers=(), absorb=None, last_only: bool = False, debug: bool = False, cache_row: int = 0):
-        """tokens [B, T] -> logits [B, T, vocab] fp32 (or [B, 1, vocab] with last_only).
+                hidden_layers=(), absorb=None, last_only: bool = False, debug: bool = False,
+                cache_row: int = 0) -> Output:
+        """tokens [B, T] -> Output: logits [B, T, vocab] fp32 (or [B, 1, vocab] with last_only), and the tapped
+        hidden states.
 
         start_pos None: no cache; causal attention over `tokens` (or `tree_mask`).
         start_pos int / LongTensor [B]: the new tokens go to cache slots start_pos + [0, T); they see every
           slot before start_pos and, among themselves, what tree_mask [B, T, T] bool allows (default causal;
           or its rows packed, [B, T] int64 as tree_mask_bits makes them).
         positions [B, T]: rope positions (default start_pos + arange(T); tree verify passes start + depth).
-        hidden_layers: return also the outputs of these layers, concatenated: [B, T, len * hidden_size].
+        hidden_layers: Output.hidden holds the outputs of these layers, concatenated: [B, T, len * hidden_size]
+          (None when empty).
         cache_row: the batch uses cache rows cache_row .. cache_row+B-1 (prefilling one sequence of a batch).
         """
         B, T = tokens.shape
@@ -783,9 +793,7 @@ class Transformer(nn.Module):
         logits = self.head(self.norm(h))
         if debug:
             check_finite(logits, "logits")
-        if hidden_layers:
-            return logits, torch.cat(taps, dim=-1)
-        return logits
+        return Output(logits, torch.cat(taps, dim=-1) if taps else None)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Normalized hidden states [..., D] -> fp32 logits [..., vocab] in global vocabulary order

@@ -273,7 +273,7 @@ def balance_experts_(model: M.Transformer, loads: dict[int, torch.Tensor], u: fl
 
 
 def lm_loss(model: M.Transformer, xy: torch.Tensor) -> torch.Tensor:
-    logits = model(xy[:, :-1])                                                      # [B, T, V] fp32
+    logits = model(xy[:, :-1]).logits                                               # [B, T, V] fp32
     return F.cross_entropy(logits.flatten(0, 1), xy[:, 1:].flatten())
 
 
@@ -595,7 +595,7 @@ def rollouts(target: M.Transformer, data: torch.Tensor, n: int, prefix: int, new
     are exactly the tokens greedy verification accepts: corpus labels teach the drafter the data, these the target."""
     target.setup_cache(batch, prefix + new)
     noise = torch.Generator(device).manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
-    pick = lambda logits: V.sample(logits[:, -1], temperature, generator=noise)              # [batch]
+    pick = lambda out: V.sample(out.logits[:, -1], temperature, generator=noise)             # [batch]
     seqs = []
     for _ in range(max(1, n // batch)):
         x = get_batch(data, batch, prefix - 1, gen, device)                                # [batch, prefix]

@@ -4,23 +4,28 @@ tree.py: the DDTree draft tree (Ringel & Romano, arXiv 2604.12989), built from o
     python tree.py                          # a small tree, printed with its legend
     python -m pytest -q tests/test_tree.py  # the fixed-shape builder == the heap, bit for bit
 
-The drafter (DFlash) gives per-position marginals for the L = block_size - 1 tokens after the root (the previous
-bonus token). DDTree drafts the B most probable prefixes under the factorized distribution Q(y) = prod_d q_d(y_d);
-the target then verifies all of them in one forward. Definitions, shared bit for bit by both builders:
+The drafter (DFlash) gives per-position marginals for the L = block_size - 1 tokens after the root
+(the previous bonus token). DDTree drafts the `budget` most probable prefixes under the factorized
+distribution Q(y) = prod_d q_d(y_d); the target then verifies all of them in one forward.
+Definitions, shared bit for bit by both builders:
 
   draft_logits [L, V]  row d-1 predicts the token at depth d (the root has depth 0)
-  logp_d     = log_softmax(draft_logits[d-1].float()), where a non-finite value counts as -inf
-  ranks      tokens of each depth ordered by (logp_d desc, token id asc); keep K = min(B, V)  (rank_topk)
-  prefix     a tuple of ranks (r_1..r_d); score = ((0 + logp_1[r_1]) + logp_2[r_2]) + ..., accumulated in
-             depth order in float32 (so every builder rounds identically)
-  key        (-score, rank tuple), compared like Python tuples: a proper prefix sorts before its extensions
-  tree       the first B prefixes by key (B = budget, the root is not counted), numbered 1..B in key order
+  logp_d     = log_softmax(draft_logits[d-1].float()); a non-finite value counts as -inf
+  ranks      tokens of each depth ordered by (logp_d desc, token id asc); keep K = min(budget, V)
+             (rank_topk)
+  prefix     a tuple of ranks (r_1..r_d); score = ((0 + logp_1[r_1]) + logp_2[r_2]) + ...,
+             accumulated in depth order in float32 (so every builder rounds identically)
+  key        (-score, rank tuple), compared like Python tuples: a proper prefix sorts before its
+             extensions
+  tree       the first `budget` prefixes by key (the root is not counted), numbered 1..budget in
+             key order
 
-Invariant: node 0 is the root; every node's parent has a smaller index, depths <= L, scores never increase with
-the node index, and a tree always has exactly N = B + 1 nodes (fixed shapes for CUDA graphs). When V is so small
-that fewer than B prefixes exist, the tail is padding: valid = False, token = root token, parent = -1, depth 0,
-score -inf, ancestor_mask row = itself. A padding node is nobody's child, so verify never accepts it; whether a
-node is padding depends only on (V, L, B), never on the logit values.
+Invariant: node 0 is the root; every node's parent has a smaller index, depths <= L, scores never
+increase with the node index, and a tree always has exactly N = budget + 1 nodes (fixed shapes for
+CUDA graphs). When V is so small that fewer than `budget` prefixes exist, the tail is padding:
+valid = False, token = root token, parent = -1, depth 0, score -inf, ancestor_mask row = itself. A
+padding node is nobody's child, so verify never accepts it; whether a node is padding depends only
+on (V, L, budget), never on the logit values.
 
 Any drafter output makes a valid tree. A NaN or +inf logit, an all -inf row or a bf16/fp16
 overflow gives NaN in log_softmax; rank_topk ranks every non-finite logp as -inf (a NaN would
@@ -28,10 +33,11 @@ rank first and push the root out of node 0). So every score is finite or -inf, n
 the root (score 0, the empty tuple) stays node 0: a broken drafter costs acceptance, never a
 token (verify checks every node against the target).
 
-Reading order: Tree; rank_topk; build_tree_heap (the paper's Algorithm 1, the reference); ddtree_search (the
-same tree in fixed-shape tensor ops, no host sync: what a decode step runs; kernels.py has it as one Triton
-launch under the same name); build_tree / build_tree_batched (what generate.py calls); chain_tree (DFlash's
-chain in the same format); format_tree and LEGEND.
+Reading order: Tree; rank_topk; build_tree_heap (the paper's Algorithm 1, the reference);
+ddtree_search (the same tree in fixed-shape tensor ops, no host sync: what a decode step runs, in
+three named steps with a worked example; kernels.py has it as one Triton launch under the same
+name); ancestor_mask (the one mask builder); build_tree / build_tree_batched (what generate.py
+calls); chain_tree (DFlash's chain in the same format); format_tree and LEGEND.
 """
 from __future__ import annotations
 
@@ -105,21 +111,22 @@ def rank_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
 
 @np.errstate(over="ignore")   # huge logp sum to -inf, silently, as in the tensor builders
 def build_tree_heap(draft_logits: torch.Tensor, root: int | torch.Tensor, budget: int) -> Tree:
-    """[L, V] logits -> the DDTree of `budget` nodes below the root, by best-first search over rank tuples (as in
-    liranringel/ddtree). Returns CPU tensors.
+    """[L, V] logits -> the DDTree of `budget` nodes below the root, by best-first search over rank
+    tuples (as in liranringel/ddtree). Returns CPU tensors.
 
-    Each pop emits the next node, then pushes its next sibling and its first child. Pushed keys never precede
-    the popped key (logp <= 0), so pops come out in key order and the first B pops are the tree."""
+    Each pop emits the next node, then pushes its next sibling and its first child. Pushed keys never
+    precede the popped key (logp <= 0), so pops come out in key order and the first `budget` pops
+    are the tree."""
     L, V = draft_logits.shape
-    B, K = budget, min(budget, V)
-    assert B >= 0
+    K = min(budget, V)
+    assert budget >= 0
     lp, tok = rank_tokens(draft_logits, K)
     lp, tok = lp.cpu().numpy(), tok.cpu().tolist()  # [L, K] each; numpy keeps float32 arithmetic
     zero = np.float32(0.0)
     tokens, parents, depths, scores = [int(root)], [-1], [0], [zero]
     # heap entry: (-score, rank tuple, parent node, parent score); the tuple breaks score ties
     heap = [(-(zero + lp[0, 0]), (0,), 0, zero)] if K > 0 and L > 0 else []
-    while heap and len(tokens) <= B:
+    while heap and len(tokens) <= budget:
         neg_score, ranks, parent, parent_score = heapq.heappop(heap)
         score, d, r, node = -neg_score, len(ranks), ranks[-1], len(tokens)
         tokens.append(tok[d - 1][r]); parents.append(parent); depths.append(d); scores.append(score)
@@ -128,15 +135,11 @@ def build_tree_heap(draft_logits: torch.Tensor, root: int | torch.Tensor, budget
             heapq.heappush(heap, (-sib, ranks[:-1] + (r + 1,), parent, parent_score))
         if d < L:  # first child
             heapq.heappush(heap, (-(score + lp[d, 0]), ranks + (0,), node, score))
-    # pad to the fixed size B + 1 (only happens when fewer than B prefixes exist)
-    n, N = len(tokens), B + 1
+    # pad to the fixed size budget + 1 (only when fewer than `budget` prefixes exist)
+    n, N = len(tokens), budget + 1
     tokens += [int(root)] * (N - n); parents += [-1] * (N - n); depths += [0] * (N - n)
     scores += [np.float32(-np.inf)] * (N - n)
-    mask = torch.zeros(N, N, dtype=torch.bool)  # [N, N]: a node's row is its parent's row plus itself
-    for i in range(N):
-        if 0 < i < n:
-            mask[i] = mask[parents[i]]
-        mask[i, i] = True
+    mask = ancestor_mask(parents, L)                                                # [N, N]
     return Tree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), depths=torch.tensor(depths),
                 scores=torch.tensor(np.array(scores, dtype=np.float32)), valid=torch.arange(N) < n,
                 ancestor_mask=mask, mask_bits=pack_rows(mask))
@@ -147,65 +150,98 @@ def build_tree_heap(draft_logits: torch.Tensor, root: int | torch.Tensor, budget
 
 @kernels.fast
 def ddtree_search(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budget: int) -> tuple:
-    """Ranked drafts lp / tok [b, L, K] (rank_tokens; K = min(budget, V)), roots [b] int64 -> the node fields of
-    N = budget + 1 nodes: (tokens, parents, depths [b, N] int64, scores [b, N] float32, valid [b, N] bool,
-    ancestor_mask [b, N, N] bool, mask_bits [b, N] int64 or None when N > 64), build_tree_heap's tree bit for bit.
+    """Ranked drafts lp / tok [b, L, K] (rank_tokens; K = min(budget, V)), roots [b] int64 -> the
+    node fields of N = budget + 1 nodes: (tokens, parents, depths [b, N] int64, scores [b, N]
+    float32, valid [b, N] bool, ancestor_mask [b, N, N] bool, mask_bits [b, N] int64 or None when
+    N > 64), build_tree_heap's tree bit for bit, in three steps:
 
-    Per-depth top-B expansion. The best B prefixes overall form a prefix-closed set, and each of their depth-d
-    members has fewer than B better prefixes at depth d, so it survives a top-B cut among the children of the
-    depth d-1 survivors. Merging all depths' survivors and taking the first B by key gives the heap's tree, in
-    the heap's order."""
+      1. expand (_expand): depth by depth, the children of the last depth's survivors are the
+         candidates, and the best `budget` of them survive. The best `budget` prefixes overall
+         form a prefix-closed set, and each of their depth-d members has fewer than `budget`
+         better prefixes at depth d, so it survives every cut.
+      2. select (_select): the root and every survivor, sorted by key; the first budget + 1 are
+         the tree's nodes, in the heap's order.
+      3. fields (_fields): each node's token, parent and depth; padding; the ancestor mask.
+
+    A worked example: L = 3 positions, V = 4 tokens a b c d (ids 0 1 2 3), budget 4 (so K = 4).
+    The drafter's probabilities, and each depth's tokens by rank:
+
+                   a     b     c     d      by rank
+      depth 1    0.10  0.60  0.25  0.05     b c a d
+      depth 2    0.50  0.10  0.30  0.10     a c b d   (b and d tie: the lower id first)
+      depth 3    0.80  0.10  0.05  0.05     a b c d
+
+    1. Depth 1 keeps all K children of the root: b .6, c .25, a .1, d .05. Depth 2 has 4 x 4
+       candidates, the best 4 survive: ba .30, bc .18, ca .125, cc .075 (then bb .06). Depth 3:
+       baa .24, bca .144, caa .10, cca .06 (then bab .03). Candidates are numbered root 0, then
+       each depth's survivors in rank-tuple order: 1-4 b c a d, 5-8 ba bc ca cc, 9-12 baa bca
+       caa cca.
+    2. By probability: root, b .6, ba .30, c .25, baa .24 | bc .18, bca .144, ...: the first
+       five are candidates 0 1 5 2 9, nodes 0-4.
+    3. Tokens [root, b, a, c, a], parents [-1, 0, 1, 0, 2], depths [0, 1, 2, 1, 3].
+
+    The same, run (tests/test_tree.py runs this docstring):
+
+    >>> q = torch.tensor([[.10, .60, .25, .05], [.50, .10, .30, .10], [.80, .10, .05, .05]])
+    >>> lp, tok = rank_tokens(q.log()[None], 4)                                # [1, L, K] each
+    >>> tok[0].tolist()
+    [[1, 2, 0, 3], [0, 2, 1, 3], [0, 1, 2, 3]]
+    >>> score, key, keep = _expand(lp, _plan(4, 4, 3, lp.device))                           # 1.
+    >>> [round(p, 3) for p in score[0].exp().tolist()]
+    [1.0, 0.6, 0.25, 0.1, 0.05, 0.3, 0.18, 0.125, 0.075, 0.24, 0.144, 0.1, 0.06]
+    >>> _select(score, key, 5)[0].tolist()                                                  # 2.
+    [0, 1, 5, 2, 9]
+    >>> tree = Tree(*ddtree_search(lp, tok, torch.tensor([7]), 4))         # 3. (the root: 7)
+    >>> tree.tokens[0].tolist(), tree.parents[0].tolist(), tree.depths[0].tolist()
+    ([7, 1, 0, 2, 0], [-1, 0, 1, 0, 2], [0, 1, 2, 1, 3])
+    """
     bsz, L, K = lp.shape
-    B, dev = budget, lp.device
-    assert B >= 0
-    if B == 0 or L == 0 or K == 0:  # root-only tree (plus padding)
-        empty = torch.zeros(bsz, 0, dtype=torch.long, device=dev)  # [b, 0]
-        return _astuple(_assemble(roots, empty, empty, empty, empty.float(), B, L))
-    p = _plan(B, K, L, dev)
-    W = p.digits.shape[-1]
+    if budget == 0 or L == 0 or K == 0:             # the root alone (then padding)
+        z = torch.zeros(bsz, 1, dtype=torch.long, device=lp.device)                   # [b, 1]
+        return _astuple(_tree(roots[:, None], z - 1, z, z.float(), budget, 0))
+    plan = _plan(budget, K, L, lp.device)
+    score, key, keep = _expand(lp, plan)                                 # 1. every survivor
+    sel = _select(score, key, plan.node_ids.shape[0])                    # 2. the nodes among them
+    return _astuple(_fields(sel, score, keep, tok, roots, plan, budget))  # 3. their fields
 
-    # 1) Per-depth expansion. Each depth's survivors are kept in lexicographic order of their rank tuples, so
-    # children laid out as (parent, rank) row-major are lexicographic too, and a stable sort by score puts them
-    # in key order: ties fall back to the tuple order for free. (A frontier kept in *score* order would break
-    # ties between children of parents with different scores the wrong way: see
-    # test_frontier_lex_order_regression.) Depth 1 keeps all K children of the root, already in key order. Per
-    # candidate: score, packed rank tuple (key) and index among its parents' children (keep = parent * K + rank).
-    # (0 + logp like every builder: it also turns a -0.0 logp into the heap's 0.0)
-    f_score, f_key = p.zero + lp[:, 0], p.digits[0].expand(bsz, K, W)   # [b, K], [b, K, W]
-    scores = [p.zero.expand(bsz, 1), f_score]                          # the root, depth 1, ...
-    keys, keeps = [p.head_key.expand(bsz, -1, W)], [p.head_keep.expand(bsz, -1)]    # the root and depth 1, ...
+
+def _expand(lp: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 1: the root and each depth's survivors, as candidates 0..M: score [b, 1+M] float32,
+    key [b, 1+M, W] int64 (the rank tuple packed, see _Plan.digits) and keep [b, 1+M] (index among
+    its depth's candidates: its parent's index among the depth above's survivors * K + its rank).
+
+    Each depth's survivors are kept in rank-tuple (lexicographic) order, so their children, laid
+    out (parent, rank) row-major, are lexicographic too, and a stable sort by score puts them in
+    key order: ties fall back to the tuple order for free. (Survivors kept in score order would
+    break ties between children of parents with different scores the wrong way: see
+    test_frontier_lex_order_regression.)"""
+    bsz, L, K = lp.shape
+    W = plan.digits.shape[-1]
+    # depth 1: all K children of the root, in key order already (0 + logp like every builder: it
+    # also turns a -0.0 logp into the heap's 0.0)
+    f_score, f_key = plan.zero + lp[:, 0], plan.digits[0].expand(bsz, K, W)      # [b, K], [b, K, W]
+    scores = [plan.zero.expand(bsz, 1), f_score]
+    keys, keeps = [plan.head_key.expand(bsz, -1, W)], [plan.head_keep.expand(bsz, -1)]
     for d in range(1, L):
-        cand = (f_score[:, :, None] + lp[:, d, None, :]).flatten(1)  # [b, n_prev*K] f32, lex order
-        best = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :p.sizes[d]]  # key order
-        keep = best.sort(dim=1).values                               # [b, n_keep] back to lex order
-        f_score = cand.gather(1, keep)                               # [b, n_keep]
-        f_key = (f_key[:, :, None] + p.digits[d]).flatten(1, 2).gather(1, keep[:, :, None].expand(-1, -1, W))
+        cand = (f_score[:, :, None] + lp[:, d, None, :]).flatten(1)   # [b, n_prev*K] lex order
+        best = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :plan.sizes[d]]
+        keep = best.sort(dim=1).values                                # [b, n_keep] lex order
+        f_score = cand.gather(1, keep)                                # [b, n_keep]
+        f_key = (f_key[:, :, None] + plan.digits[d]).flatten(1, 2)    # [b, n_prev*K, W]
+        f_key = f_key.gather(1, keep[:, :, None].expand(-1, -1, W))   # [b, n_keep, W]
         scores.append(f_score)
         keys.append(f_key)
         keeps.append(keep)
-    score, key, keep = torch.cat(scores, 1), torch.cat(keys, 1), torch.cat(keeps, 1)   # [b, 1+M](, W)
+    return torch.cat(scores, 1), torch.cat(keys, 1), torch.cat(keeps, 1)
 
-    # 2) Merge the depths: stable sort by score on top of the global lexicographic order. The root (score 0,
-    # empty tuple) comes first; fewer than B real nodes only when V is tiny (static shapes).
-    lex = _lex_order(key)                                                            # [b, 1+M]
-    n = p.node_ids.shape[0]                                                          # 1 + min(B, M)
-    by_key = torch.sort(score.gather(1, lex), dim=1, descending=True, stable=True).indices[:, :n]
-    sel = lex.gather(1, by_key)                       # [b, n] candidate ids in node order 0..n-1
 
-    # 3) Node fields. Parents: candidate id -> node index (every selected node's parent is selected); the extra
-    # last slot is the root's parent, -1.
-    node_of = torch.full((bsz, key.shape[1] + 1), -1, device=dev).scatter_(
-        1, sel, p.node_ids.expand(bsz, n))                                          # [b, 2+M]
-    parents = node_of.gather(1, (keep // K + p.parent_base).gather(1, sel))          # [b, n]
-    tok_all = torch.cat([roots[:, None, None].expand(bsz, 1, K), tok], 1).flatten(1)  # [b, (1+L)*K]
-    tokens = tok_all.gather(1, (keep % K + p.token_base).gather(1, sel))             # [b, n]
-    depths = p.depth[sel]                                                            # [b, n]
-    # ancestor mask: j is an ancestor of i (or i) iff i's rank tuple starts with j's, i.e. i's key with
-    # everything past depth_j cleared equals j's key
-    node_key = key.gather(1, sel[:, :, None].expand(-1, -1, W))                     # [b, n, W]
-    mask = ((node_key[:, :, None] & p.prefix[depths][:, None]) == node_key[:, None]).all(-1)  # [b, n, n]
-    valid = torch.ones(bsz, n, dtype=torch.bool, device=dev)                         # [b, n]
-    return _astuple(_pad(Tree(tokens, parents, depths, score.gather(1, sel), valid, mask), B + 1))
+def _select(score: torch.Tensor, key: torch.Tensor, n: int) -> torch.Tensor:
+    """Step 2: the ids of the first n candidates by key, in node order [b, n]: a stable sort by
+    score on top of the rank-tuple order (_lex_order), so that ties keep the tuple order. The root
+    (score 0, the empty tuple) comes first."""
+    lex = _lex_order(key)                                                           # [b, 1+M]
+    by_key = torch.sort(score.gather(1, lex), dim=1, descending=True, stable=True).indices
+    return lex.gather(1, by_key[:, :n])                                             # [b, n]
 
 
 def _lex_order(keys: torch.Tensor) -> torch.Tensor:
@@ -218,103 +254,105 @@ def _lex_order(keys: torch.Tensor) -> torch.Tensor:
     return order
 
 
+def _fields(sel: torch.Tensor, score: torch.Tensor, keep: torch.Tensor, tok: torch.Tensor,
+            roots: torch.Tensor, plan: _Plan, budget: int) -> Tree:
+    """Step 3: the tree of the selected candidates sel [b, n] (in node order, root first)."""
+    bsz, L, K = tok.shape
+    # a candidate's parent is a candidate one depth up (keep // K counts from that depth's first
+    # id); node_of maps candidate ids to node indices (every selected node's parent is selected;
+    # the extra last slot is the root's parent, -1)
+    node_of = torch.full((bsz, score.shape[1] + 1), -1, device=sel.device).scatter_(
+        1, sel, plan.node_ids.expand(bsz, -1))                                     # [b, 2+M]
+    parents = node_of.gather(1, (keep // K + plan.parent_base).gather(1, sel))       # [b, n]
+    # its token: rank keep % K of its depth, in [root x K, tok[:, 0], tok[:, 1], ...]
+    tok_all = torch.cat([roots[:, None, None].expand(bsz, 1, K), tok], 1).flatten(1)  # [b, (1+L)*K]
+    tokens = tok_all.gather(1, (keep % K + plan.token_base).gather(1, sel))          # [b, n]
+    return _tree(tokens, parents, plan.depth[sel], score.gather(1, sel), budget, L)
+
+
+def _tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
+          budget: int, depth: int) -> Tree:
+    """Node fields [b, n], root first, n <= budget + 1 -> the Tree of N = budget + 1 nodes: padding
+    appended (see the module doc; only when V is tiny), the ancestor mask (of a tree `depth` deep)
+    and its rows packed."""
+    b, n = tokens.shape
+    N = budget + 1
+    valid = torch.ones(b, n, dtype=torch.bool, device=tokens.device)                 # [b, n]
+    if n < N:
+        pad = lambda t, v: F.pad(t, (0, N - n), value=v)                             # [b, N]
+        tokens = torch.cat([tokens, tokens[:, :1].expand(b, N - n)], 1)
+        parents, depths, valid = pad(parents, -1), pad(depths, 0), pad(valid, False)
+        scores = pad(scores, float("-inf"))
+    mask = ancestor_mask(parents, depth)                                             # [b, N, N]
+    return Tree(tokens, parents, depths, scores, valid, mask, pack_rows(mask))
+
+
+def ancestor_mask(parents, depth: int | None = None) -> torch.Tensor:
+    """parents [..., N] (a list or int64; -1: none) -> the verify mask [..., N, N] bool: row i marks
+    i and its ancestors, the nodes on the walk up from i. `depth` steps up (the tree's depth;
+    default N - 1) reach the root from every node; a node without a parent (the root, padding) is
+    its own parent here, so a walk that reaches it stays there."""
+    parents = torch.as_tensor(parents, dtype=torch.long)
+    N, dev = parents.shape[-1], parents.device
+    node = torch.arange(N, device=dev).expand_as(parents)                           # [..., N]
+    up = torch.where(parents >= 0, parents, node)                                    # [..., N]
+    walk = [node]
+    for _ in range(max(N - 1, 0) if depth is None else depth):
+        walk.append(up.gather(-1, walk[-1]))                     # each node's next step up
+    mask = torch.zeros(*parents.shape, N, dtype=torch.bool, device=dev)              # [..., N, N]
+    return mask.scatter_(-1, torch.stack(walk, -1), True)
+
+
 @dataclass
 class _Plan:
-    """What the expansion looks like for one (B, K, L): survivor counts and constant tensors, built once per
-    shape on the device instead of on every step. Candidates are numbered root first (id 0), then depth 1's
-    survivors, depth 2's, ...: the per-candidate tables below are laid out that way ([1+M])."""
-    sizes: list[int]            # survivors per depth: all K children of the root, then min(B, previous * K)
-    digits: torch.Tensor        # [L, K, W] int64: rank r at depth d+1 as the digit r+1, shifted into its word
-    prefix: torch.Tensor        # [L+1, W] int64: the bits of a tuple's first e digits (ancestor test)
+    """What the expansion looks like for one (budget, K, L): survivor counts and constant tensors,
+    built once per shape on the device instead of on every step. Candidates are numbered root first
+    (id 0), then depth 1's survivors, depth 2's, ...: the per-candidate tables below are laid out
+    that way ([1+M])."""
+    sizes: list[int]            # survivors per depth: K, then min(budget, previous * K)
+    digits: torch.Tensor        # [L, K, W] int64: rank r at depth d+1 as the digit r+1, in its word
     head_key: torch.Tensor      # [1, 1+K, W] the root's key (0: empty tuple) and depth 1's
-    head_keep: torch.Tensor     # [1, 1+K] the root and depth 1 as "kept" indices (0, then ranks 0..K-1)
+    head_keep: torch.Tensor     # [1, 1+K] the root and depth 1 as "kept" indices (0, then 0..K-1)
     zero: torch.Tensor          # [1, 1] float32: the root's score
     depth: torch.Tensor         # [1+M] int64
-    parent_base: torch.Tensor   # [1+M] id of the first candidate one depth up (root: id M+1, a -1 slot)
-    token_base: torch.Tensor    # [1+M] offset of the candidate's depth in [root x K, tok[:, 0], tok[:, 1], ...]
-    node_ids: torch.Tensor      # [n+1] 0..n, n = min(B, M) real non-root nodes
+    parent_base: torch.Tensor   # [1+M] id of the first candidate one depth up (root: M+1, a -1)
+    token_base: torch.Tensor    # [1+M] offset of its depth in [root x K, tok[:, 0], tok[:, 1], ...]
+    node_ids: torch.Tensor      # [n+1] 0..n, n = min(budget, M) real non-root nodes
 
 
-_PLANS: dict = {}   # (B, K, L, device) -> _Plan; never evicted: captured CUDA graphs keep reading these
+_PLANS: dict = {}   # (budget, K, L, device) -> _Plan; never evicted: captured graphs read these
 
 
-def _plan(B: int, K: int, L: int, device: torch.device) -> _Plan:
-    """The cached _Plan of (B, K, L) on `device` (host work, once per shape: before any graph capture)."""
-    if (B, K, L, device) in _PLANS:
-        return _PLANS[B, K, L, device]
+def _plan(budget: int, K: int, L: int, device: torch.device) -> _Plan:
+    """The cached _Plan of (budget, K, L) on `device` (host work, once per shape: before any graph
+    capture)."""
+    if (budget, K, L, device) in _PLANS:
+        return _PLANS[budget, K, L, device]
     sizes = [K]
     for _ in range(1, L):
-        sizes.append(min(B, sizes[-1] * K))
-    M, first = sum(sizes), [1 + sum(sizes[:d]) for d in range(L)]   # first: id of depth d+1's first candidate
-    # a rank tuple (r_1..r_d) packed as digits r_i+1 (0 = absent, so a prefix sorts first), most significant
-    # first, `per` digits of `bits` bits to an int64 word (below 2^62: no sign bit), W words
+        sizes.append(min(budget, sizes[-1] * K))
+    M, first = sum(sizes), [1 + sum(sizes[:d]) for d in range(L)]   # first: depth d+1's first id
+    # a rank tuple (r_1..r_d) packed as digits r_i+1 (0 = absent, so a prefix sorts first), most
+    # significant first, `per` digits of `bits` bits to an int64 word (below 2^62: no sign bit)
     bits = K.bit_length()
     per = max(1, 62 // bits)
     W = -(-L // per)
-    digits = torch.zeros(L, K, W, dtype=torch.long)                                      # [L, K, W]
-    prefix = torch.zeros(L + 1, W, dtype=torch.long)                                     # [L+1, W]
+    digits = torch.zeros(L, K, W, dtype=torch.long)                                 # [L, K, W]
     for d in range(L):
         shift = bits * (per - 1 - d % per)
         digits[d, :, d // per] = (torch.arange(K) + 1) << shift
-        prefix[d + 1:, d // per] |= ((1 << bits) - 1) << shift
     depth, parent_base, token_base = [0], [M + 1], [0]
     for d, n_d in enumerate(sizes):
         depth += [d + 1] * n_d
         parent_base += [first[d - 1] if d else 0] * n_d
         token_base += [(1 + d) * K] * n_d
-    head_key = torch.cat([torch.zeros(1, W, dtype=torch.long), digits[0]])[None]         # [1, 1+K, W]
-    head_keep = torch.tensor([0] + list(range(K)))[None]                                 # [1, 1+K]
+    head_key = torch.cat([torch.zeros(1, W, dtype=torch.long), digits[0]])[None]    # [1, 1+K, W]
+    head_keep = torch.tensor([0] + list(range(K)))[None]                            # [1, 1+K]
     on = lambda t: torch.as_tensor(t).to(device)
-    _PLANS[B, K, L, device] = p = _Plan(
-        sizes, on(digits), on(prefix), on(head_key), on(head_keep), on(torch.zeros(1, 1)), on(depth),
-        on(parent_base), on(token_base), on(list(range(min(B, M) + 1))))
+    _PLANS[budget, K, L, device] = p = _Plan(
+        sizes, on(digits), on(head_key), on(head_keep), on(torch.zeros(1, 1)),
+        on(depth), on(parent_base), on(token_base), on(list(range(min(budget, M) + 1))))
     return p
-
-
-def _ancestor_mask(parents: torch.Tensor, depth_limit: int) -> torch.Tensor:
-    """[b, N] parents (-1 = none) -> [b, N, N] bool: row i = i and all of its ancestors."""
-    b, N = parents.shape
-    eye = torch.eye(N, dtype=torch.bool, device=parents.device).expand(b, N, N)  # [b, N, N]
-    has_parent = (parents >= 0)[:, :, None]                                      # [b, N, 1]
-    idx = parents.clamp(min=0)[:, :, None].expand(b, N, N)                       # [b, N, N]
-    mask = eye
-    for _ in range(depth_limit):  # after k rounds every row of depth <= k is complete
-        mask = eye | (mask.gather(1, idx) & has_parent)  # row i |= row parent(i)
-    return mask
-
-
-def ancestor_mask(parents) -> torch.Tensor:
-    """A parent list (parents[i] < i, -1 for the root) -> [N, N] bool verify mask: row i = i and its ancestors."""
-    p = torch.as_tensor(parents, dtype=torch.long).view(1, -1)                   # [1, N]
-    return _ancestor_mask(p, max(p.shape[1] - 1, 0))[0]                          # [N, N]
-
-
-def _assemble(roots: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, dep: torch.Tensor,
-              score: torch.Tensor, budget: int, depth_limit: int) -> Tree:
-    """Prepend the root, build the ancestor mask, pad to N = budget + 1 (_pad).
-
-    tok/par/dep/score are [b, n] for the n <= budget real non-root nodes, in node order 1..n."""
-    b, n = tok.shape
-    col = lambda v, dt: torch.full((b, 1), v, dtype=dt, device=tok.device)             # [b, 1]
-    parents = torch.cat([col(-1, torch.long), par], dim=1)                              # [b, n+1]
-    tokens = torch.cat([roots[:, None], tok], dim=1)                                    # [b, n+1]
-    depths = torch.cat([col(0, torch.long), dep], dim=1)                                # [b, n+1]
-    scores = torch.cat([col(0.0, torch.float32), score], dim=1)                         # [b, n+1]
-    valid = torch.ones(b, n + 1, dtype=torch.bool, device=tok.device)                  # [b, n+1]
-    return _pad(Tree(tokens, parents, depths, scores, valid, _ancestor_mask(parents, depth_limit)), budget + 1)
-
-
-def _pad(tr: Tree, N: int) -> Tree:
-    """Append padding nodes up to N (see the module doc; only when V is tiny) and pack the mask rows."""
-    b, n = tr.tokens.shape
-    if n < N:
-        pad = lambda t, v: F.pad(t, (0, N - n), value=v)                             # [b, N]
-        eye = torch.eye(N, dtype=torch.bool, device=tr.tokens.device)                # [N, N]
-        tr = Tree(torch.cat([tr.tokens, tr.tokens[:, :1].expand(b, N - n)], 1), pad(tr.parents, -1),
-                  pad(tr.depths, 0), pad(tr.scores, float("-inf")), pad(tr.valid, False),
-                  F.pad(tr.ancestor_mask, (0, N - n, 0, N - n)) | eye)
-    tr.mask_bits = pack_rows(tr.ancestor_mask)                                       # [b, N] or None
-    return tr
 
 
 def _astuple(tr: Tree) -> tuple:
@@ -325,7 +363,8 @@ def _astuple(tr: Tree) -> tuple:
 # What a decode step calls.
 
 def build_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int], budget: int) -> Tree:
-    """[b, L, V] logits, [b] roots -> Tree with fields [b, B+1] (mask [b, B+1, B+1]): rank, then search."""
+    """[b, L, V] logits, [b] roots -> Tree with fields [b, N], N = budget + 1 (mask [b, N, N]):
+    rank, then search."""
     bsz, L, V = draft_logits.shape
     roots = torch.as_tensor(roots, dtype=torch.long, device=draft_logits.device).reshape(bsz)  # [b]
     lp, tok = rank_tokens(draft_logits, min(budget, V))                                        # [b, L, K]
@@ -333,7 +372,7 @@ def build_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequenc
 
 
 def build_tree(draft_logits: torch.Tensor, root: int | torch.Tensor, budget: int) -> Tree:
-    """[L, V] logits and a root token (int or 0-d tensor) -> Tree with fields [B+1]."""
+    """[L, V] logits and a root token (int or 0-d tensor) -> Tree with fields [budget + 1]."""
     return build_tree_batched(draft_logits[None], torch.as_tensor(root).reshape(1), budget)[0]
 
 
@@ -351,8 +390,12 @@ def chain_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequenc
         acc = acc + lp[:, d]
         score.append(acc)
     score = torch.stack(score, 1) if n else lp                                 # [b, n]
-    par = torch.arange(n, device=dev).expand(bsz, n)                           # node i+1 -> i
-    return _assemble(roots, tok, par, par + 1, score, length, L)
+    tokens = torch.cat([roots[:, None], tok], 1)                               # [b, n+1]
+    parents = torch.arange(-1, n, device=dev).repeat(bsz, 1)                   # [b, n+1]: i -> i-1
+    depths = torch.arange(n + 1, device=dev).repeat(bsz, 1)                    # [b, n+1]
+    zero = torch.zeros(bsz, 1, dtype=torch.float32, device=dev)               # [b, 1] the root's
+    scores = torch.cat([zero, score], 1)                                       # [b, n+1]
+    return _tree(tokens, parents, depths, scores, length, n)
 
 
 def chain_tree(draft_logits: torch.Tensor, root: int | torch.Tensor, length: int) -> Tree:

@@ -1,5 +1,5 @@
-"""--budget auto: generate.AutoBudget picks, before each step, a tree of AUTO_BUDGET nodes or one token, and
-Step.catch_up gives the drafter the tokens it missed (a block at most) before a tree that follows one-token steps.
+"""--budget auto (autobudget.py): AutoBudget picks, before each step, a tree of AUTO_BUDGET nodes or one token, and
+AutoStep.catch_up gives the drafter the tokens it missed (a block at most) before a tree that follows one-token steps.
 Greedy auto == greedy autoregressive token for token, whatever the switches (scripted or the real controller),
 alone, in a batch and at the cache end; catch_up's context rows are the target's own hidden states on the missed
 tokens; sampling keeps the target's distribution; the loop adds no host read; the controller moves to one token
@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+import autobudget as A
 import cli
 import draft as D
 import generate as G
@@ -46,41 +47,41 @@ def ar(target):
 def script(monkeypatch, picks):
     """AutoBudget.tree follows `picks` (cycled; True: a tree); observe stays the real one."""
     it = itertools.cycle(picks)
-    monkeypatch.setattr(G.AutoBudget, "tree", lambda self: next(it))
+    monkeypatch.setattr(A.AutoBudget, "tree", lambda self: next(it))
 
 
 def spy_steps(monkeypatch):
     """Records, in order, each step the loop runs (True: a tree) and the state right after each catch_up the loop
-    runs (not the rehearsal inside Step.auto): (start, recent, ctx_feats, n_ctx), cloned. Patch before
-    the Step is made: its fns hold the bound catch_up."""
+    runs (not the rehearsal when AutoStep is made): (start, recent, ctx_feats, new_ctx_len), cloned."""
     kinds, catch_ups, rehearsing = [], [], [False]
-    call, catch_up, auto = G.Step.__call__, G.Step.catch_up, G.Step.auto
+    run, catch_up, init = G.Step.run, A.AutoStep.catch_up, A.AutoStep.__init__
 
-    def step_call(self, spec, hook=None):
-        kinds.append(spec)
-        return call(self, spec, hook)
+    def step_run(self, fn, hook=None):
+        kinds.append(fn.__name__ == "spec")
+        return run(self, fn, hook)
 
     def tapped(self, hook=None):
         catch_up(self, hook)
         if not rehearsing[0]:
-            catch_ups.append(tuple(t.clone() for t in (self.start, self.recent, self.ctx_feats, self.n_ctx)))
+            s = self.step.state
+            catch_ups.append(tuple(t.clone() for t in (s.start, self.recent, s.ctx_feats, s.new_ctx_len)))
 
-    def tracked_auto(self, room):
+    def tracked_init(self, step):
         rehearsing[0] = True
         try:
-            return auto(self, room)
+            init(self, step)
         finally:
             rehearsing[0] = False
-    monkeypatch.setattr(G.Step, "__call__", step_call)
-    monkeypatch.setattr(G.Step, "catch_up", tapped)
-    monkeypatch.setattr(G.Step, "auto", tracked_auto)
+    monkeypatch.setattr(G.Step, "run", step_run)
+    monkeypatch.setattr(A.AutoStep, "catch_up", tapped)
+    monkeypatch.setattr(A.AutoStep, "__init__", tracked_init)
     return kinds, catch_ups
 
 
 def test_greedy_scripted_switches_equal_autoregressive(target, drafter, ar, monkeypatch):
     """Trees and one-token stretches in any order commit the autoregressive tokens; a catch_up runs before each tree
     that follows one-token steps (and only then), over the last block of committed tokens, and leaves in ctx_feats
-    the target's uncached hidden states on the tokens the stretch committed (a block at most): n_ctx of them."""
+    the target's uncached hidden states on the tokens the stretch committed (a block at most): new_ctx_len of them."""
     script(monkeypatch, SCRIPT)
     kinds, catch_ups = spy_steps(monkeypatch)
     G.Step.cache.clear()
@@ -99,8 +100,8 @@ def test_greedy_scripted_switches_equal_autoregressive(target, drafter, ar, monk
             missed.append(min(gap, bs))
         gap = 0 if cur else gap + 1
     assert [int(c[3][0]) for c in catch_ups] == missed and min(missed) < bs == max(missed)
-    for start, recent, ctx_feats, n_ctx in catch_ups:
-        s, n = int(start[0]), int(n_ctx[0])               # committed cache length: the window is seq[s - bs:s]
+    for start, recent, ctx_feats, n_new in catch_ups:
+        s, n = int(start[0]), int(n_new[0])               # committed cache length: the window is seq[s - bs:s]
         assert recent[0].tolist() == seq[s - bs:s]
         assert torch.allclose(ctx_feats[0, :n], hidden[0, s - n:s], atol=1e-4), s
 
@@ -134,23 +135,23 @@ def test_greedy_auto_with_the_real_controller(target, ar, drafts):
 
 @pytest.mark.parametrize("drafts", ["adversarial", "perfect"])
 def test_loop_moves_to_one_token_when_trees_do_not_pay(target, ar, drafts, monkeypatch):
-    """Through the loop, on a clock where a tree step costs 1.5 one-token steps (Step.auto times them on it): drafts
+    """Through the loop, on a clock where a tree step costs 1.5 one-token steps (AutoStep times them on it): drafts
     never accepted (the true token ranked last) -> one token per step after the first tries; drafts always right
     -> a tree every step. Both still the autoregressive tokens."""
     now = [0.0]
-    monkeypatch.setattr(G, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
-    run = G.Step.run
+    monkeypatch.setattr(A, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    launch = G.Step.launch
 
-    def timed(self, key, hook=None):
-        now[0] += {True: 1.5, False: 1.0, "catch_up": 0.5}[key]
-        run(self, key, hook)
-    monkeypatch.setattr(G.Step, "run", timed)
+    def timed(self, fn, hook=None):
+        now[0] += {"spec": 1.5, "ar": 1.0, "catch_up": 0.5}[fn.__name__]
+        launch(self, fn, hook)
+    monkeypatch.setattr(G.Step, "launch", timed)
     G.Step.cache.clear()
     st = G.Stats()
     stub = StubDrafter(drafts, 96, reference=PROMPT + ar)
     assert G.generate(target, PROMPT, 80, drafter=stub, budget="auto", max_seq_len=160, stats=st) == ar
     (step,) = G.Step.cache.values()
-    assert step.control.ratio == pytest.approx(1.5)
+    assert step.auto.control.ratio == pytest.approx(1.5)
     share = st.budgets[0] / sum(st.budgets.values())
     assert share > 0.8 if drafts == "adversarial" else share == 0, st.budgets    # probes: MIN_RUN trees each
 
@@ -174,7 +175,7 @@ def test_auto_sampling_keeps_the_target_distribution(target, drafter, monkeypatc
             if len(nxt) < 150:
                 continue
             with torch.no_grad():
-                logits = target(torch.tensor([prompt + list(ctx)]))[0, -1]                # [V]
+                logits = target(torch.tensor([prompt + list(ctx)])).logits[0, -1]         # [V]
             kth = logits.topk(topk).values[-1]
             p = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
             freq = torch.bincount(torch.tensor(nxt), minlength=p.numel()).float()
@@ -191,13 +192,14 @@ def test_auto_adds_no_host_read(target, drafter, monkeypatch):
     """The loop reads the device once per step (the committed tokens) and once for the first token, whatever auto
     picks, catch_up included (its window is a host-to-device write); eager mode's stage clock syncs after each
     stage, the others once per step, as for a fixed budget. Counted on a clock that believes it runs on CUDA, and on
-    every host read made from generate.py, in a call whose Step already has its controller (made by a first call)."""
+    every host read made from generate.py and autobudget.py, in a call whose Step already has its controller (made by
+    a first call)."""
     syncs, reads = count_syncs(monkeypatch), []
     for name in ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"):
         orig = getattr(torch.Tensor, name)
 
         def spy(self, *a, _orig=orig, _name=name):
-            if sys._getframe(1).f_code.co_filename == G.__file__:
+            if sys._getframe(1).f_code.co_filename in (G.__file__, A.__file__):
                 reads.append(_name)
             return _orig(self, *a)
         monkeypatch.setattr(torch.Tensor, name, spy)
@@ -212,7 +214,7 @@ def test_auto_adds_no_host_read(target, drafter, monkeypatch):
         steps = sum(st.budgets.values())
         assert catch_ups and set(st.budgets) == {0, G.AUTO_BUDGET}
         per_step = sum(k * (4 if b else 1) for b, k in st.budgets.items()) if mode == "eager" else steps
-        assert len(syncs) == 3 + per_step, mode       # + prefill, the lap after Step.auto and the final lap
+        assert len(syncs) == 3 + per_step, mode       # + prefill, the lap after attach and the final lap
         assert reads == ["tolist"] * (1 + steps), (mode, reads)
 
 
@@ -221,10 +223,10 @@ def test_auto_adds_no_host_read(target, drafter, monkeypatch):
 
 def drive(c, steps, tokens):
     """Run c for `steps` steps on a text where a tree commits `tokens` (a one-token step: 1); returns the picks and
-    c.gap before each pick."""
+    c.since_tree before each pick."""
     picks, gaps = [], []
     for _ in range(steps):
-        gaps.append(c.gap)
+        gaps.append(c.since_tree)
         picks.append(c.tree())
         c.observe(picks[-1], tokens if picks[-1] else 1)
     return picks, gaps
@@ -237,68 +239,68 @@ def stretches(picks):
 
 def test_controller_leaves_trees_that_never_pay():
     """Trees that commit 1 token where a tree costs 1.6 one-token steps: MIN_RUN trees first (nothing known yet),
-    then one token per step, with rare probes (MIN_RUN trees each); the wait doubles to MAX_WAIT; every stretch
+    then one token per step, with rare probes (MIN_RUN trees each); the stretch doubles to MAX_STRETCH; every stretch
     lasts a block at least, and a tree comes only after a whole block of one-token steps (or none)."""
-    c = G.AutoBudget(1.6, 4)
+    c = A.AutoBudget(1.6, 4)
     picks, gaps = drive(c, 2000, 1)
     assert picks[:c.MIN_RUN + 4] == [True] * c.MIN_RUN + [False] * 4
     assert picks[100:].count(False) / 1900 > 0.97 and picks[100:].count(True) >= 3          # probes, rare
-    assert c.wait == c.MAX_WAIT
+    assert c.stretch == c.MAX_STRETCH
     runs = stretches(picks)
-    assert min(runs) >= c.min_wait and max(runs) == c.MAX_WAIT and runs == sorted(runs)
-    assert all(g == 0 or g >= c.min_wait for p, g in zip(picks, gaps) if p)
+    assert min(runs) >= c.min_stretch and max(runs) == c.MAX_STRETCH and runs == sorted(runs)
+    assert all(g == 0 or g >= c.min_stretch for p, g in zip(picks, gaps) if p)
 
 
 def test_controller_hands_back_to_trees_when_they_pay():
     """After a long stretch of hard text the text gets easy (a tree commits 4): the next probe sees it and trees
-    take over; the wait stays long until trees have paid for a block of steps after the probe, then resets to a
+    take over; the stretch stays long until trees have paid for a block of steps after the probe, then resets to a
     block."""
-    c = G.AutoBudget(1.6, 4)
+    c = A.AutoBudget(1.6, 4)
     drive(c, 2000, 1)
-    assert c.wait == c.MAX_WAIT
+    assert c.stretch == c.MAX_STRETCH
     picks, _ = drive(c, 600, 4)
     first = picks.index(True)
-    assert first <= c.MAX_WAIT and picks[first:].count(True) / len(picks[first:]) > 0.9
-    assert picks[-300:] == [True] * 300 and c.wait == c.min_wait
-    c = G.AutoBudget(1.6, 4)
+    assert first <= c.MAX_STRETCH and picks[first:].count(True) / len(picks[first:]) > 0.9
+    assert picks[-300:] == [True] * 300 and c.stretch == c.min_stretch
+    c = A.AutoBudget(1.6, 4)
     drive(c, 2000, 1)
     while not c.tree():                                   # to the next probe
         c.observe(False, 1)
-    for i in range(1 + c.min_wait):                       # the probe and a block of trees that pay: a reset
-        assert c.wait == c.MAX_WAIT, i
+    for i in range(1 + c.min_stretch):                       # the probe and a block of trees that pay: a reset
+        assert c.stretch == c.MAX_STRETCH, i
         c.observe(True, 4)
         assert c.tree()
-    assert c.wait == c.min_wait
+    assert c.stretch == c.min_stretch
 
 
-def test_controller_one_lucky_probe_does_not_reset_the_wait():
+def test_controller_one_lucky_probe_does_not_reset_the_stretch():
     """On hard text (trees commit 1, a tree costs 1.6 one-token steps) one probe that happens to commit 4 tokens,
-    then trees back to 1: the wait stays at MAX_WAIT, and the next stretch is that long."""
-    c = G.AutoBudget(1.6, 4)
+    then trees back to 1: the stretch stays at MAX_STRETCH, and the next stretch is that long."""
+    c = A.AutoBudget(1.6, 4)
     drive(c, 2000, 1)
     while not c.tree():
         c.observe(False, 1)
     c.observe(True, 4)                                    # the lucky probe
     while c.tree():                                       # trees on, while the mean still pays
         c.observe(True, 1)
-    assert c.wait == c.MAX_WAIT
+    assert c.stretch == c.MAX_STRETCH
     c.observe(False, 1)
-    picks, _ = drive(c, 2 * c.MAX_WAIT, 1)
-    assert 1 + picks.index(True) >= c.MAX_WAIT
+    picks, _ = drive(c, 2 * c.MAX_STRETCH, 1)
+    assert 1 + picks.index(True) >= c.MAX_STRETCH
 
 
-def test_controller_waits_a_block_after_a_new_prefill():
-    """A stretch that runs over into the next call (the controller lives on the Step): generate_batch sets gap = 0
+def test_controller_stretches_a_block_after_a_new_prefill():
+    """A stretch that runs over into the next call (the controller lives on the Step): attach sets since_tree = 0
     after its prefill; when the stretch's last steps are fewer than a block, one-token steps go on until a block
     of them, so catch_up has a whole block of new tokens."""
-    c = G.AutoBudget(1.6, 4)
+    c = A.AutoBudget(1.6, 4)
     drive(c, 12, 1)                       # trees fail (3), a stretch of 4, a probe fails (3): a stretch of 8 begins
-    while c.left != 2:
+    while c.stretch_left != 2:
         assert not c.tree()
         c.observe(False, 1)
-    c.gap = 0                                             # a new call's prefill
+    c.since_tree = 0                                             # a new call's prefill
     picks, gaps = drive(c, 10, 1)
-    assert picks[:c.min_wait + 1] == [False] * c.min_wait + [True] and gaps[c.min_wait] == c.min_wait
+    assert picks[:c.min_stretch + 1] == [False] * c.min_stretch + [True] and gaps[c.min_stretch] == c.min_stretch
 
 
 def test_bench_e2e_reports_auto_beside_fixed_budgets(capsys):

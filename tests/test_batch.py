@@ -53,18 +53,18 @@ def test_finished_rows_are_frozen(pair, monkeypatch):
     prompts = [[1, 2, 3, 4], [8, 8, 8, 8, 8, 8], [3]]
     first = G.generate(target, prompts[2], 1, max_seq_len=96)[0]
     snaps = []
-    call = G.Step.__call__
+    call = G.Step.run
 
-    def spy(self, spec, hook=None):
-        out = call(self, spec, hook)
+    def spy(self, fn, hook=None):
+        out = call(self, fn, hook)
         snaps.append((target.kv_cache[:, 2, :1].clone(), drafter.ctx_cache[:, :, 2, :1].clone()))
         return out
-    monkeypatch.setattr(G.Step, "__call__", spy)
+    monkeypatch.setattr(G.Step, "run", spy)
     out = G.generate_batch(target, prompts, 20, drafter=drafter, budget=8, max_seq_len=96, stop_ids=[first])
     assert out[2] == [first] and len(snaps) >= 3
     for kv, ctx in snaps[1:]:
         assert torch.equal(kv, snaps[0][0]) and torch.equal(ctx, snaps[0][1])
-    monkeypatch.setattr(G.Step, "__call__", call)
+    monkeypatch.setattr(G.Step, "run", call)
     for b in (0, 1):
         assert out[b] == G.generate(target, prompts[b], 20, drafter=drafter, budget=8, max_seq_len=96,
                                     stop_ids=[first])

@@ -306,7 +306,7 @@ def target():
 
 def last_logits(model, ids) -> torch.Tensor:
     with torch.no_grad():
-        return model(torch.tensor([ids]))[0, -1]                                              # [V]
+        return model(torch.tensor([ids])).logits[0, -1]                                       # [V]
 
 
 def test_oracle_tree_is_the_best_prefix_closed_set(target):

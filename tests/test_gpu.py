@@ -7,6 +7,7 @@ Run: python -m pytest -q tests/test_gpu.py"""
 import pytest
 import torch
 
+import autobudget as A
 import checkpoint as C
 import draft as D
 import generate as G
@@ -121,7 +122,7 @@ def test_trace_reads_graph_steps_as_eager(tmp_path):
 
 
 def test_auto_graph_equals_eager_and_autoregressive(tmp_path, monkeypatch):
-    """--budget auto with --cuda-graph: the tree, one-token and catch_up graphs (catch_up captured by Step.auto,
+    """--budget auto with --cuda-graph: the tree, one-token and catch_up graphs (catch_up captured by AutoStep,
     before the clock), replayed in the order the real controller or a script picks (one-token stretches longer and
     shorter than a block, each followed by a catch_up, trees right after trees), commit the eager loop's tokens,
     which are the autoregressive ones (fp32)."""
@@ -133,13 +134,13 @@ def test_auto_graph_equals_eager_and_autoregressive(tmp_path, monkeypatch):
         G.Step.cache.clear()
         assert G.generate(target, prompt, 120, drafter=drafter, budget="auto", max_seq_len=320, mode=mode) == ar
         (step,) = G.Step.cache.values()
-        assert step.control is not None
-    assert set(step.graphs) == {True, False, "catch_up"}
+        assert step.auto is not None
+    assert {fn.__name__ for fn in step.graphs} == {"spec", "ar", "catch_up"}
     T, F = True, False
     runs = {}
     for mode in ("eager", "graph"):
         picks = itertools.cycle([F] * 40 + [T, T] + [F] * 4 + [T] + [F] * 9 + [T, F, F, T, T])   # the same in both
-        monkeypatch.setattr(G.AutoBudget, "tree", lambda self: next(picks))
+        monkeypatch.setattr(A.AutoBudget, "tree", lambda self: next(picks))
         G.Step.cache.clear()
         st = G.Stats()
         runs[mode] = G.generate(target, prompt, 120, drafter=drafter, budget="auto", max_seq_len=320, mode=mode,
@@ -147,7 +148,7 @@ def test_auto_graph_equals_eager_and_autoregressive(tmp_path, monkeypatch):
         assert set(st.budgets) == {0, G.AUTO_BUDGET}
     assert runs["graph"] == runs["eager"] and runs["graph"][0] == ar
     (step,) = G.Step.cache.values()
-    assert set(step.graphs) == {True, False, "catch_up"}
+    assert {fn.__name__ for fn in step.graphs} == {"spec", "ar", "catch_up"}
 
 
 @pytest.mark.parametrize("kw", [dict(budget=8), dict(budget=16), dict(chain=True), dict(budget="auto")])
@@ -159,7 +160,7 @@ def test_hostile_drafter_graph_equals_autoregressive(tmp_path, monkeypatch, kw):
     import itertools
     if kw.get("budget") == "auto":
         picks = itertools.cycle([False] * 6 + [True, True] + [False] * 2 + [True] + [False] * 9 + [True] * 3)
-        monkeypatch.setattr(G.AutoBudget, "tree", lambda self: next(picks))
+        monkeypatch.setattr(A.AutoBudget, "tree", lambda self: next(picks))
     target, drafter = _pair(tmp_path, torch.float32)
     prompts = [list(range(3, 40)), [5, 9, 2], list(range(60, 75))]
     ars = [G.generate(target, p, 80, max_seq_len=320) for p in prompts]

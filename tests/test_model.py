@@ -28,6 +28,7 @@ def hf_model(cfg, seed=0):
     return hf
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("over", [{}, {"n_group": 4, "topk_group": 2, "n_routed_experts": 16, "num_experts_per_tok": 4},
                                   {"rope_scaling": None}])
 def test_parity_with_transformers(tmp_path, over):
@@ -41,7 +42,7 @@ def test_parity_with_transformers(tmp_path, over):
     tokens = torch.randint(0, cfg["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(tokens).logits
-        got = ours(tokens)
+        got = ours(tokens).logits
     assert rel_err(got, ref) <= 1e-4
 
 
@@ -83,18 +84,19 @@ def test_rope_inv_freq_is_transformers_yarn_bit_for_bit(dim, factor, L0, truncat
 
 def _prefill_then_decode(model, tokens, split, absorb_prefill=None):
     model.setup_cache(tokens.shape[0], 64)
-    outs = [model(tokens[:, :split], start_pos=0, absorb=absorb_prefill)]
+    outs = [model(tokens[:, :split], start_pos=0, absorb=absorb_prefill).logits]
     for t in range(split, tokens.shape[1]):
-        outs.append(model(tokens[:, t:t + 1], start_pos=t))
+        outs.append(model(tokens[:, t:t + 1], start_pos=t).logits)
     return torch.cat(outs, dim=1)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("absorb_prefill", [False, True])
 def test_cached_absorbed_equals_full_naive(absorb_prefill):
     model = tiny.random_model(tiny.text_config(), seed=2)
     tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        full = model(tokens)
+        full = model(tokens).logits
         inc = _prefill_then_decode(model, tokens, 10, absorb_prefill)
     assert rel_err(inc, full) <= 1e-4
 
@@ -120,9 +122,9 @@ def test_tree_mask_and_positions_match_branches():
     with torch.no_grad():
         model.setup_cache(1, 32)
         model(prefix, start_pos=7 - 7)
-        tree = model(ids, start_pos=7, positions=7 + depth.view(1, -1), tree_mask=mask.view(1, 6, 6))
-        seq_a = model(torch.cat([prefix, root.view(1, 1), a.view(1, -1)], 1))[:, 7:]
-        seq_b = model(torch.cat([prefix, root.view(1, 1), b.view(1, -1)], 1))[:, 7:]
+        tree = model(ids, start_pos=7, positions=7 + depth.view(1, -1), tree_mask=mask.view(1, 6, 6)).logits
+        seq_a = model(torch.cat([prefix, root.view(1, 1), a.view(1, -1)], 1)).logits[:, 7:]
+        seq_b = model(torch.cat([prefix, root.view(1, 1), b.view(1, -1)], 1)).logits[:, 7:]
     assert rel_err(tree[:, [0, 1, 2, 3]], seq_a) <= 1e-4
     assert rel_err(tree[:, [0, 4, 5]], seq_b) <= 1e-4
     # the mask's rows packed into int64 words (what the GPU tree search hands over) give the same logits, on the
@@ -133,7 +135,7 @@ def test_tree_mask_and_positions_match_branches():
         for absorb in (True, False):
             want = model(ids, start_pos=7, positions=7 + depth.view(1, -1), tree_mask=mask.view(1, 6, 6), absorb=absorb)
             got = model(ids, start_pos=7, positions=7 + depth.view(1, -1), tree_mask=packed, absorb=absorb)
-            assert torch.equal(got, want), f"absorb={absorb}"
+            assert torch.equal(got.logits, want.logits), f"absorb={absorb}"
 
 
 def test_hidden_layers_are_layer_outputs():
@@ -150,7 +152,7 @@ def test_hidden_layers_are_layer_outputs():
             outs.append(h)
     assert hid.shape == (1, 9, 2 * 64)
     assert torch.allclose(hid, torch.cat([outs[0], outs[2]], -1), atol=1e-6)
-    assert torch.allclose(logits, model(tokens), atol=1e-6)
+    assert torch.allclose(logits, model(tokens).logits, atol=1e-6)
 
 
 # The ops with a fast path, as the switch in kernels.py knows them: name -> the reference's parameters
@@ -202,15 +204,15 @@ def test_every_op_goes_through_the_switch(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "_HOST", {})          # want: the references as written, on the whole cache
     with torch.no_grad():
         model.setup_cache(2, 16)
-        want = model(tokens, start_pos=0)
+        want = model(tokens, start_pos=0).logits
         calls = fake_kernels(monkeypatch)
-        got = model(tokens, start_pos=0)
+        got = model(tokens, start_pos=0).logits
     assert set(calls) == set(CONTRACT), set(CONTRACT) - set(calls)
-    assert torch.equal(got, want) and rel_err(got, ref(tokens)) <= 1e-4
+    assert torch.equal(got, want) and rel_err(got, ref(tokens).logits) <= 1e-4
     monkeypatch.setattr(kernels, "ENABLED", False)     # --no-triton: the references only
     calls.clear()
     with torch.no_grad():
-        assert torch.equal(model(tokens, start_pos=0), want)
+        assert torch.equal(model(tokens, start_pos=0).logits, want)
     assert calls == []
 
 
@@ -229,7 +231,7 @@ def test_cached_batch_hands_the_cache_kernel_its_contract(monkeypatch):
         got = [model(tokens, start_pos=0, last_only=True), model(tokens[:, :1], start_pos=6)]
     assert calls.count("mla_latent_to_cache") == 2 * model.args.num_hidden_layers     # each call, each layer
     for g, w in zip(got, want):
-        assert torch.allclose(g, w, atol=1e-5)
+        assert torch.allclose(g.logits, w.logits, atol=1e-5)
 
 
 def test_int4_experts_reference_bounds_its_memory(monkeypatch):
@@ -269,7 +271,7 @@ def test_k26_int4_roundtrip(tmp_path):
     C.load_checkpoint(model, str(tmp_path))
     tokens = torch.randint(0, 96, (1, 20))
     with torch.no_grad():
-        assert rel_err(model(tokens), ref(tokens)) <= 1e-4
+        assert rel_err(model(tokens).logits, ref(tokens).logits) <= 1e-4
 
 
 def test_router_weight_is_fp32_in_a_bf16_model(tmp_path):
@@ -437,9 +439,9 @@ def test_share_rows_survives_to():
     tiny.randomize_(model, seed=1)
     tokens = torch.tensor([[3, 5, 7, 11]])
     with torch.no_grad():
-        before = model(tokens).double()
+        before = model(tokens).logits.double()
         model.to(torch.float64)
-        after = model(tokens)
+        after = model(tokens).logits
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     assert attn.q_kv_a_weight.dtype == torch.float64 and torch.allclose(after.double(), before, atol=1e-4)
     assert attn.q_a_proj.weight.data_ptr() == attn.q_kv_a_weight.data_ptr()

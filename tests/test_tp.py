@@ -39,7 +39,7 @@ def _worker(r, ws, port, ckpt, draft_dir, out_dir, tokens):
         model = M.Transformer(M.ModelArgs.from_config(ckpt))
         stats = C.load_checkpoint(model, ckpt)
         with torch.no_grad():
-            logits = model(tokens)
+            logits = model(tokens).logits
         drafter = StubDrafter("random", model.args.vocab_size, seed=4)
         ids = G.generate(model, tokens[0, :5].tolist(), 20, drafter=drafter, budget=8, max_seq_len=64)
         out = {"logits": logits, "ids": ids, "bytes": stats["bytes_read"], **_drafter_run(model, draft_dir, tokens)}

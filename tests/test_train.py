@@ -90,8 +90,8 @@ def test_target_loss_falls_and_export_roundtrips(corpus, tmp_path):
     loaded = TR.load_target(str(tmp_path / "fp32"), "cpu", torch.float32)
     assert loaded.args.quant is not None and loaded.args.nested
     with torch.no_grad(), TR.expert_forward(model, int4=(torch.float32, torch.float32)):
-        ref = model(x)
-    torch.testing.assert_close(loaded(x), ref, atol=2e-4, rtol=1e-4)
+        ref = model(x).logits
+    torch.testing.assert_close(loaded(x).logits, ref, atol=2e-4, rtol=1e-4)
 
     # bf16 export (what ships): the same after rounding every in-memory weight to bf16
     TR.export_target(model, cfg, str(tmp_path / "bf16"), dtype=torch.bfloat16)
@@ -103,8 +103,8 @@ def test_target_loss_falls_and_export_roundtrips(corpus, tmp_path):
             if "e_score_correction_bias" not in name:
                 p.copy_(p.to(torch.bfloat16).float())
         with TR.expert_forward(model, int4=(torch.bfloat16, torch.float32)):
-            ref = model(x)
-    torch.testing.assert_close(loaded(x), ref, atol=2e-4, rtol=1e-4)
+            ref = model(x).logits
+    torch.testing.assert_close(loaded(x).logits, ref, atol=2e-4, rtol=1e-4)
 
 
 def test_dense_experts_equal_reference():
@@ -125,8 +125,8 @@ def test_dense_experts_equal_reference():
     randomize_(model)
     tokens = torch.randint(0, 512, (2, 16))
     with torch.no_grad(), TR.expert_forward(model, dense=True):
-        dense = model(tokens)
-    torch.testing.assert_close(dense, model(tokens).detach(), atol=1e-4, rtol=1e-4)   # after the swap is undone
+        dense = model(tokens).logits
+    torch.testing.assert_close(dense, model(tokens).logits.detach(), atol=1e-4, rtol=1e-4)   # after the swap is undone
 
 
 def _random_pair(corpus, layers: int, draft_layers: int):
@@ -182,7 +182,7 @@ def test_soft_labels_are_the_targets_next_token_distribution(corpus):
         for b in range(2):
             for i, a in enumerate(anchors[b].tolist()):
                 for k in range(1, 8):
-                    p = target(seqs[b:b + 1, :a + k])[0, -1].softmax(-1)            # the label's distribution
+                    p = target(seqs[b:b + 1, :a + k]).logits[0, -1].softmax(-1)     # the label's distribution
                     ref += -(p * q[b, i, k - 1]).sum() * w[k - 1]
     torch.testing.assert_close(soft, ref / 4 / w.sum(), atol=1e-4, rtol=1e-4)
     assert not torch.isclose(soft, hard)
