@@ -149,11 +149,10 @@ def nan_logits_where(model, monkeypatch, bad) -> None:
 
     def patched(tokens, start_pos=None, positions=None, last_only=False, **kw):
         res = forward(tokens, start_pos=start_pos, positions=positions, last_only=last_only, **kw)
-        logits = res[0] if isinstance(res, tuple) else res
         if positions is None:
             start = torch.as_tensor(0 if start_pos is None else start_pos, device=tokens.device)
             positions = start.view(-1, 1) + torch.arange(tokens.shape[1], device=tokens.device)      # [B, T]
         where = bad(tokens, positions.expand_as(tokens))[..., None]                              # [B, T, 1]
-        logits = logits.masked_fill(where[:, -1:] if last_only else where, float("nan"))
-        return (logits, *res[1:]) if isinstance(res, tuple) else logits
+        return res._replace(logits=res.logits.masked_fill(where[:, -1:] if last_only else where,
+                                                           float("nan")))
     monkeypatch.setattr(model, "forward", patched)
