@@ -587,7 +587,7 @@ def step_collectives(target, drafter, budget: int, sampling: tuple, counts: coll
     step = G.Step(target, drafter, 1, budget, False, sampling)
     step.prefill([[0, 1]])
     counts.clear()
-    step.run(budget > 0)
+    step.run(step.spec if budget else step.ar)
     return dict(counts)
 
 
