@@ -61,8 +61,8 @@ class Tree:
     scores: torch.Tensor         # [..., N] float32 log Q(prefix); 0 for root, -inf for padding
     valid: torch.Tensor          # [..., N] bool, False only for padding nodes
     ancestor_mask: torch.Tensor  # [..., N, N] bool, row i: i's ancestors (root included) and i
-    # [..., N] int64: ancestor_mask's rows packed (bit j of word i = ancestor_mask[i, j], bit 63 the sign bit), the
-    # form the target's attention and the accept kernel take; None when N > 64
+    # [..., N] int64: ancestor_mask's rows packed (bit j of word i = ancestor_mask[i, j], bit 63
+    # the sign bit), the form the target's attention and the accept kernel take; None when N > 64
     mask_bits: torch.Tensor | None = None
 
     def __getitem__(self, i) -> Tree:
@@ -73,12 +73,13 @@ class Tree:
         return self._map(lambda t: t.to(device))
 
     def _map(self, fn) -> Tree:
-        return Tree(*(None if (t := getattr(self, f.name)) is None else fn(t) for f in fields(self)))
+        return Tree(*(None if (t := getattr(self, f.name)) is None else fn(t)
+                      for f in fields(self)))
 
 
 def pack_rows(mask: torch.Tensor) -> torch.Tensor | None:
-    """The tree's mask rows packed as the target's attention takes them (model.tree_mask_bits): [..., N, N] bool ->
-    [..., N] int64, or None when N > 64 (one word per row)."""
+    """The tree's mask rows packed as the target's attention takes them (model.tree_mask_bits):
+    [..., N, N] bool -> [..., N] int64, or None when N > 64 (one word per row)."""
     return M.tree_mask_bits(mask) if mask.shape[-1] <= M.MASK_WORD_BITS else None
 
 
@@ -87,17 +88,18 @@ def pack_rows(mask: torch.Tensor) -> torch.Tensor | None:
 
 @kernels.fast
 def rank_topk(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logp [..., V] float32 -> (lp, tok) [..., k]: the k best tokens of each row by (logp desc, token id asc),
-    and their logp. Each token gets one int64 key that orders like that pair (the float's bits made
-    order-preserving in the high word, V-1-token in the low one): the keys are unique, so topk has no tie to
-    break its own way, and no sort of the whole vocabulary is needed.
+    """logp [..., V] float32 -> (lp, tok) [..., k]: the k best tokens of each row by (logp desc,
+    token id asc), and their logp. Each token gets one int64 key that orders like that pair (the
+    float's bits made order-preserving in the high word, V-1-token in the low one): the keys are
+    unique, so topk has no tie to break its own way, and no sort of the whole vocabulary is needed.
     A non-finite logp counts as -inf, in the order and in lp (module doc: any drafter output)."""
     V = logp.shape[-1]
-    logp = torch.where(logp.isfinite(), logp, float("-inf"))   # NaN's bits would rank it first
-    bits = (logp + 0.0).view(torch.int32).long()           # + 0.0 turns -0.0 into 0.0, which must tie with it
-    high = bits ^ ((bits >> 31) & 0x7FFFFFFF)              # negative floats: flip the magnitude bits
-    keys = (high << 32) | (V - 1 - torch.arange(V, device=logp.device))                       # [..., V] int64
-    tok = keys.topk(k, dim=-1).indices                                                         # [..., k]
+    logp = torch.where(logp.isfinite(), logp, float("-inf"))  # NaN's bits would rank it first
+    # + 0.0 turns -0.0 into 0.0, which must tie with it
+    bits = (logp + 0.0).view(torch.int32).long()
+    high = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+    keys = (high << 32) | (V - 1 - torch.arange(V, device=logp.device))  # [..., V] int64
+    tok = keys.topk(k, dim=-1).indices                                    # [..., k]
     return logp.gather(-1, tok), tok
 
 
@@ -107,16 +109,17 @@ def rank_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
 
 
 # -----------------------------------------------------------------------------
-# The reference: the best-first heap of the paper (Algorithm 1). Python on the CPU; tests and teaching.
+# The reference: the best-first heap of the paper (Algorithm 1).
+# Python on the CPU; tests and teaching.
 
 @np.errstate(over="ignore")   # huge logp sum to -inf, silently, as in the tensor builders
 def build_tree_heap(draft_logits: torch.Tensor, root: int | torch.Tensor, budget: int) -> Tree:
     """[L, V] logits -> the DDTree of `budget` nodes below the root, by best-first search over rank
     tuples (as in liranringel/ddtree). Returns CPU tensors.
 
-    Each pop emits the next node, then pushes its next sibling and its first child. Pushed keys never
-    precede the popped key (logp <= 0), so pops come out in key order and the first `budget` pops
-    are the tree."""
+    Each pop emits the next node, then pushes its next sibling and its first child. Pushed keys
+    never precede the popped key (logp <= 0), so pops come out in key order and the first `budget`
+    pops are the tree."""
     L, V = draft_logits.shape
     K = min(budget, V)
     assert budget >= 0
@@ -130,7 +133,8 @@ def build_tree_heap(draft_logits: torch.Tensor, root: int | torch.Tensor, budget
         neg_score, ranks, parent, parent_score = heapq.heappop(heap)
         score, d, r, node = -neg_score, len(ranks), ranks[-1], len(tokens)
         tokens.append(tok[d - 1][r]); parents.append(parent); depths.append(d); scores.append(score)
-        if r + 1 < K:  # next sibling: parent_score + logp, never score - logp[r] + logp[r+1] (rounding)
+        # next sibling: parent_score + logp, never score - logp[r] + logp[r+1] (rounding)
+        if r + 1 < K:
             sib = parent_score + lp[d - 1, r + 1]
             heapq.heappush(heap, (-sib, ranks[:-1] + (r + 1,), parent, parent_score))
         if d < L:  # first child
@@ -140,9 +144,10 @@ def build_tree_heap(draft_logits: torch.Tensor, root: int | torch.Tensor, budget
     tokens += [int(root)] * (N - n); parents += [-1] * (N - n); depths += [0] * (N - n)
     scores += [np.float32(-np.inf)] * (N - n)
     mask = ancestor_mask(parents, L)                                                # [N, N]
-    return Tree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), depths=torch.tensor(depths),
-                scores=torch.tensor(np.array(scores, dtype=np.float32)), valid=torch.arange(N) < n,
-                ancestor_mask=mask, mask_bits=pack_rows(mask))
+    return Tree(tokens=torch.tensor(tokens), parents=torch.tensor(parents),
+                depths=torch.tensor(depths),
+                scores=torch.tensor(np.array(scores, dtype=np.float32)),
+                valid=torch.arange(N) < n, ancestor_mask=mask, mask_bits=pack_rows(mask))
 
 
 # -----------------------------------------------------------------------------
@@ -362,12 +367,13 @@ def _astuple(tr: Tree) -> tuple:
 # -----------------------------------------------------------------------------
 # What a decode step calls.
 
-def build_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int], budget: int) -> Tree:
+def build_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int],
+                       budget: int) -> Tree:
     """[b, L, V] logits, [b] roots -> Tree with fields [b, N], N = budget + 1 (mask [b, N, N]):
     rank, then search."""
     bsz, L, V = draft_logits.shape
     roots = torch.as_tensor(roots, dtype=torch.long, device=draft_logits.device).reshape(bsz)  # [b]
-    lp, tok = rank_tokens(draft_logits, min(budget, V))                                        # [b, L, K]
+    lp, tok = rank_tokens(draft_logits, min(budget, V))                                  # [b, L, K]
     return Tree(*ddtree_search(lp, tok, roots, budget))
 
 
@@ -379,7 +385,8 @@ def build_tree(draft_logits: torch.Tensor, root: int | torch.Tensor, budget: int
 # -----------------------------------------------------------------------------
 # DFlash chain: the top-1 token at each depth, in the same Tree format.
 
-def chain_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int], length: int) -> Tree:
+def chain_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int],
+                       length: int) -> Tree:
     """[b, L, V] -> chain of min(length, L) nodes below the root, padded to length + 1 nodes."""
     bsz, L, V = draft_logits.shape
     dev, n = draft_logits.device, min(length, L)
@@ -406,17 +413,23 @@ def chain_tree(draft_logits: torch.Tensor, root: int | torch.Tensor, length: int
 # -----------------------------------------------------------------------------
 # Teaching view
 
-LEGEND = ("[i] token  q=0.42  node i and its token; q = exp(score), the drafter's probability of the path from\n"
-          "                  the root to node i (score: the sum of the path's log-probabilities; it orders the nodes)\n"
+LEGEND = ("[i] token  q=0.42  node i and its token; q = exp(score), the drafter's probability of "
+          "the path from\n"
+          "                  the root to node i (score: the sum of the path's log-probabilities; "
+          "it orders the nodes)\n"
           "root              node 0: the last committed token (the previous step's bonus)\n"
-          "*                 the accepted path: each of its tokens is the target's own choice after its parent\n"
-          "bonus             the target's token after the accepted path; a step commits the path and the bonus")
+          "*                 the accepted path: each of its tokens is the target's own choice "
+          "after its parent\n"
+          "bonus             the target's token after the accepted path; a step commits the path "
+          "and the bonus")
 
 
 def format_tree(tree: Tree, decode: Callable[[int], str] | None = None,
-                accepted: Sequence[int] | torch.Tensor | None = None, bonus: int | None = None) -> str:
-    """Indented view of one (unbatched) tree, most probable child first (LEGEND says what it shows).
-    `accepted`: node indices marked '*' (verify's accepted path); `bonus`: the target's token after it."""
+                accepted: Sequence[int] | torch.Tensor | None = None,
+                bonus: int | None = None) -> str:
+    """Indented view of one (unbatched) tree, most probable child first (LEGEND says what it
+    shows). `accepted`: node indices marked '*' (verify's accepted path); `bonus`: the target's
+    token after it."""
     assert tree.tokens.dim() == 1, "format one tree at a time: format_tree(tree[b])"
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     scores, valid = tree.scores.tolist(), tree.valid.tolist()
@@ -430,7 +443,8 @@ def format_tree(tree: Tree, decode: Callable[[int], str] | None = None,
 
     def walk(i: int, indent: str, branch: str) -> None:
         prob = "root" if i == 0 else f"q={np.exp(scores[i]):.4f}"
-        lines.append(f"{'*' if i in marked else ' '} {indent}{branch}[{i}] {show(tokens[i])}  {prob}")
+        mark = "*" if i in marked else " "
+        lines.append(f"{mark} {indent}{branch}[{i}] {show(tokens[i])}  {prob}")
         for j, c in enumerate(children[i]):
             last = j == len(children[i]) - 1
             walk(c, indent + ("" if i == 0 else ("    " if branch == "└── " else "│   ")),
@@ -445,7 +459,8 @@ def format_tree(tree: Tree, decode: Callable[[int], str] | None = None,
 
 
 def print_tree(tree: Tree, decode: Callable[[int], str] | None = None,
-               accepted: Sequence[int] | torch.Tensor | None = None, bonus: int | None = None) -> None:
+               accepted: Sequence[int] | torch.Tensor | None = None,
+               bonus: int | None = None) -> None:
     print(format_tree(tree, decode, accepted, bonus))
 
 
@@ -457,7 +472,7 @@ if __name__ == "__main__":
     tree = build_tree(logits, root=0, budget=12)
     heap = build_tree_heap(logits, 0, 12)
     assert all(torch.equal(a, b) for a, b in zip(_astuple(tree), _astuple(heap)))
-    deepest = int(tree.depths.argmax())          # pretend the target agreed with the deepest node's path
+    deepest = int(tree.depths.argmax())  # pretend the target agreed with the deepest node's path
     accepted = tree.ancestor_mask[deepest].nonzero()[:, 0]
     print(LEGEND + "\n")
     print(f"DDTree, L={logits.shape[0]}, V={len(words)}, budget=12")

@@ -1,18 +1,20 @@
-"""Tree verification for DDTree: the target's input for a candidate tree, the lossless acceptance rule,
-and the commit of the accepted path into the compressed KV cache.
+"""Tree verification for DDTree: the target's input for a candidate tree, the lossless acceptance
+rule, and the commit of the accepted path into the compressed KV cache.
 
 Invariants:
-  * one target forward verifies the whole tree: node i sits at position start + depth_i and attends to the
-    committed prefix plus its own ancestors, so its logits are exactly the logits autoregressive decoding
-    would compute after the path root..i;
-  * acceptance follows the target's own decoding rule (argmax, or one sample per node at temperature T),
-    so the committed tokens are distributed exactly as autoregressive decoding (greedy: token for token);
-  * after commit, cache slots [start, start + accept_len) hold the accepted path's KV in order, i.e. the
-    cache equals the cache of an autoregressive run over the same tokens;
-  * tensor ops only (no .item(), no per-node Python loop), so a whole step can be captured in a CUDA graph.
+  * one target forward verifies the whole tree: node i sits at position start + depth_i and attends
+    to the committed prefix plus its own ancestors, so its logits are exactly the logits
+    autoregressive decoding would compute after the path root..i;
+  * acceptance follows the target's own decoding rule (argmax, or one sample per node at
+    temperature T), so the committed tokens are distributed exactly as autoregressive decoding
+    (greedy: token for token);
+  * after commit, cache slots [start, start + accept_len) hold the accepted path's KV in order,
+    i.e. the cache equals the cache of an autoregressive run over the same tokens;
+  * tensor ops only (no .item(), no per-node Python loop), so a whole step can be captured in a
+    CUDA graph.
 
-accept and commit_kv are marked @kernels.fast: on a GPU each is one Triton launch (kernels.py), equal to the
-PyTorch written here.
+accept and commit_kv are marked @kernels.fast: on a GPU each is one Triton launch (kernels.py),
+equal to the PyTorch written here.
 
 Run the tests: python -m pytest -q tests/test_verify.py
 """
@@ -25,13 +27,15 @@ import kernels
 from tree import Tree
 
 
-def verify_inputs(tree: Tree, start_pos: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Batched tree [B, N] -> (ids [B, N], positions [B, N], tree_mask) for the target forward: tree_mask is the
-    ancestor mask [B, N, N] bool, or its rows packed [B, N] int64 when the tree carries them (N <= 64; the target
-    would pack the bool mask into that form anyway). The target writes node i's KV to slot start + i; the mask lets
-    node i see only its ancestors and itself (the committed prefix before `start` is always visible, see model.MLA)."""
-    start = torch.as_tensor(start_pos, device=tree.tokens.device).view(-1, 1)                 # [B, 1]
-    positions = start + tree.depths                                                          # [B, N]
+def verify_inputs(tree: Tree, start_pos: torch.Tensor | int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batched tree [B, N] -> (ids [B, N], positions [B, N], tree_mask) for the target forward:
+    tree_mask is the ancestor mask [B, N, N] bool, or its rows packed [B, N] int64 when the tree
+    carries them (N <= 64; the target would pack the bool mask into that form anyway). The target
+    writes node i's KV to slot start + i; the mask lets node i see only its ancestors and itself
+    (the committed prefix before `start` is always visible, see model.MLA)."""
+    start = torch.as_tensor(start_pos, device=tree.tokens.device).view(-1, 1)  # [B, 1]
+    positions = start + tree.depths                                            # [B, N]
     return tree.tokens, positions, tree.ancestor_mask if tree.mask_bits is None else tree.mask_bits
 
 
@@ -48,9 +52,10 @@ def check_temperature(temperature: float, what: str = "temperature") -> None:
                          f"got {temperature}")
 
 
-def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """logits [..., V] -> the distribution sample() draws from: softmax(logits / T) restricted to the top-k / top-p
-    set; at temperature 0 the argmax, one-hot."""
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0,
+                   top_p: float = 1.0) -> torch.Tensor:
+    """logits [..., V] -> the distribution sample() draws from: softmax(logits / T) restricted to
+    the top-k / top-p set; at temperature 0 the argmax, one-hot."""
     if temperature <= 0:
         return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()                    # [..., V]
     logits = logits.float() / temperature
@@ -60,16 +65,16 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     if top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         p = sorted_logits.softmax(-1)
-        drop = p.cumsum(-1) - p >= top_p                           # keep the smallest prefix reaching top_p
+        drop = p.cumsum(-1) - p >= top_p  # keep the smallest prefix reaching top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits.softmax(dim=-1)                                  # [..., V]
+    return logits.softmax(dim=-1)                                                        # [..., V]
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
            generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of logits [..., V] (fp32): argmax at temperature 0, else a sample from sampling_probs. No
-    host synchronisation: the sample is argmax(p / E) with E ~ Exponential(1), which is distributed as p (the
-    exponential-race trick).
+    """One token per row of logits [..., V] (fp32): argmax at temperature 0, else a sample from
+    sampling_probs. No host synchronisation: the sample is argmax(p / E) with E ~ Exponential(1),
+    which is distributed as p (the exponential-race trick).
     A row with a NaN or a +inf logit, only -inf, or logits / T past float32 has no token: NO_TOKEN.
     A tree's path ends at such a node (accept), and the decoding loop stops there with an error."""
     if temperature <= 0:
@@ -82,44 +87,50 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
 
 
 @kernels.fast
-def accept(tree: Tree, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def accept(tree: Tree,
+           target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The longest root-to-node path whose every token equals the target's token at its parent.
 
-    tree: batched [B, N]; target_tokens [B, N]: the target's (argmax or sampled) token after each node.
-    Returns accepted [B, N] (node indices of the path in depth order, root first; entries past accept_len
-    repeat the last node), accept_len [B] (nodes on the path incl. the root = tokens committed this step,
-    counting the bonus), bonus [B] (the target's token after the deepest accepted node)."""
+    tree: batched [B, N]; target_tokens [B, N]: the target's (argmax or sampled) token after each
+    node. Returns accepted [B, N] (node indices of the path in depth order, root first; entries past
+    accept_len repeat the last node), accept_len [B] (nodes on the path incl. the root = tokens
+    committed this step, counting the bonus), bonus [B] (the target's token after the deepest
+    accepted node)."""
     B, N = tree.tokens.shape
-    parent_target = target_tokens.gather(1, tree.parents.clamp(min=0))                       # [B, N]
-    match = (tree.tokens == parent_target) & tree.valid                                      # [B, N]
-    # a node is on an accepted path iff every node of its path below the root (always committed) matches;
-    # on bools, mask <= match reads "ancestor implies match"
-    ok = (tree.ancestor_mask[:, :, 1:] <= match[:, None, 1:]).all(dim=-1)                    # [B, N]
-    # siblings carry distinct tokens, so at most one child of a node matches: the ok nodes form one chain
-    accept_len = ok.sum(dim=-1)                                                              # [B]
-    deepest = torch.where(ok, tree.depths, -1).argmax(dim=-1, keepdim=True)                  # [B, 1]
-    # scatter each path node to its depth (the other nodes to a dump column N); the rest repeat the deepest
-    accepted = deepest.repeat(1, N + 1)                                                      # [B, N+1]
-    node_ids = torch.arange(N, device=tree.tokens.device).expand(B, N)                       # [B, N]
+    parent_target = target_tokens.gather(1, tree.parents.clamp(min=0))              # [B, N]
+    match = (tree.tokens == parent_target) & tree.valid                             # [B, N]
+    # a node is on an accepted path iff every node of its path below the root (always committed)
+    # matches; on bools, mask <= match reads "ancestor implies match"
+    ok = (tree.ancestor_mask[:, :, 1:] <= match[:, None, 1:]).all(dim=-1)           # [B, N]
+    # siblings carry distinct tokens, so at most one child of a node matches:
+    # the ok nodes form one chain
+    accept_len = ok.sum(dim=-1)                                                     # [B]
+    deepest = torch.where(ok, tree.depths, -1).argmax(dim=-1, keepdim=True)         # [B, 1]
+    # scatter each path node to its depth (the other nodes to a dump column N);
+    # the rest repeat the deepest
+    accepted = deepest.repeat(1, N + 1)                                             # [B, N+1]
+    node_ids = torch.arange(N, device=tree.tokens.device).expand(B, N)              # [B, N]
     accepted.scatter_(1, torch.where(ok, tree.depths, N), node_ids)
-    bonus = target_tokens.gather(1, deepest).squeeze(1)                                      # [B]
+    bonus = target_tokens.gather(1, deepest).squeeze(1)                             # [B]
     return accepted[:, :N], accept_len, bonus
 
 
 @kernels.fast
 def commit_kv(kv_cache: torch.Tensor, start_pos: torch.Tensor | int, accepted: torch.Tensor,
               accept_len: torch.Tensor) -> None:
-    """Move the accepted path's KV (written at slots start + node) to slots start + [0, accept_len) for
-    every layer at once. kv_cache [n_layers, Bmax, S, C]; start_pos int or [B] (or [B, 1]); accepted [B, N];
-    accept_len [B].
+    """Move the accepted path's KV (written at slots start + node) to slots start + [0, accept_len)
+    for every layer at once. kv_cache [n_layers, Bmax, S, C]; start_pos int or [B] (or [B, 1]);
+    accepted [B, N]; accept_len [B].
 
-    Valid without recompute: the path's nodes sat at positions start + depth = exactly the slots they move
-    to, and each saw only its ancestors, i.e. causal attention along the path. Fixed shapes: slots past
-    accept_len copy onto themselves, so the same ops serve every tree and can be graph-captured."""
+    Valid without recompute: the path's nodes sat at positions start + depth = exactly the slots
+    they move to, and each saw only its ancestors, i.e. causal attention along the path. Fixed
+    shapes: slots past accept_len copy onto themselves, so the same ops serve every tree and can be
+    graph-captured."""
     B, N = accepted.shape
-    start = torch.as_tensor(start_pos, device=accepted.device).view(-1, 1).expand(B, 1)     # [B, 1]
-    j = torch.arange(N, device=accepted.device)                                              # [N]
-    src = start + torch.where(j < accept_len.view(B, 1), accepted, j)                        # [B, N]
-    kv = kv_cache[:, :B]                                                                     # [n_layers, B, S, C]
-    slots = lambda t: t[None, :, :, None].expand(kv.shape[0], B, N, kv.shape[3])             # [n_layers, B, N, C]
-    kv.scatter_(2, slots(start + j), kv.gather(2, slots(src)))    # gathered first: no aliasing
+    start = torch.as_tensor(start_pos, device=accepted.device).view(-1, 1).expand(B, 1)  # [B, 1]
+    j = torch.arange(N, device=accepted.device)                                           # [N]
+    src = start + torch.where(j < accept_len.view(B, 1), accepted, j)                     # [B, N]
+    kv = kv_cache[:, :B]  # [n_layers, B, S, C]
+    # [n_layers, B, N, C]
+    slots = lambda t: t[None, :, :, None].expand(kv.shape[0], B, N, kv.shape[3])
+    kv.scatter_(2, slots(start + j), kv.gather(2, slots(src)))  # gathered first: no aliasing
