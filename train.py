@@ -523,7 +523,7 @@ def drafter_train_forward(drafter: D.DFlashDrafter, embed, feats: torch.Tensor, 
     for layer in drafter.layers:
         at = layer.self_attn
         x = layer.input_layernorm(h)
-        q = D.apply_rope(at.q_norm(at.q_proj(x).view(B, N, H, hd)), cos_b, sin_b)   # [B, N, H, hd]
+        q = at.q(x, cos_b, sin_b)                                                    # [B, N, H, hd]
         k_ctx, v_ctx = at.kv(f, cos_c, sin_c)                                        # [B, T, n_kv, hd]
         k_blk, v_blk = at.kv(x, cos_b, sin_b)                                        # [B, N, n_kv, hd]
         k, v = torch.cat([k_ctx, k_blk], 1), torch.cat([v_ctx, v_blk], 1)
