@@ -16,6 +16,9 @@ Modes:
           greedy and temperature 1: tokens/s, speedup over autoregressive, mean accept length and histogram,
           time per stage (draft / tree / verify / commit), peak memory, and whether greedy speculative output
           equals autoregressive output token for token ("lossless").
+          --one-rank-of N: rank 0 of TP N, whole, on one device in one process: the step times of AR and DDTree
+          at each budget with the collectives NOT run (each a no-op that counts its calls), the collectives per
+          step, and tok/s projected at given accept lengths and a stated cost per collective.
   step    one decode step of the e2e pair (AR and DDTree), replayed from the same inputs in each step mode
           (static, graph, compile, graph+compile): its time against the summed time of the kernels it launches,
           and what a CUDA graph of N trivial kernels costs on this GPU (the per-node floor).
@@ -36,6 +39,8 @@ Modes:
     python bench.py e2e --budgets 4,16 --temperature 0 --max-new-tokens 64 --out runs/e2e.json
     python bench.py e2e --budgets auto,8 --prompts checkpoints/heldout_files.txt   # --budget auto beside budget 8
     python bench.py e2e --budgets 1,8 --bound             # and the accept a perfect drafter would reach
+    python bench.py e2e --ckpt random:k2.6 --one-rank-of 8 --budgets 8,16 --step-mode graph --temperature 0
+                                                          # one H200: rank 0 of TP8, collectives not run
     python bench.py step                                  # the bundled pair's step: eager vs graph vs compile
     python bench.py layers --scale tiny                   # CPU: every dimension shrunk (a smoke test)
     python bench.py layers --tp 8 --out runs/layers.json  # one H200, per-rank TP8 shapes, real dimensions
@@ -59,6 +64,7 @@ file, plus FILE.png (accept length and tokens/s against the budget) when matplot
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -523,6 +529,192 @@ def print_e2e(runs: list[dict]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# e2e --one-rank-of N: rank 0 of tensor parallel size N, whole, in one process. The target, the drafter and the
+# decoding step are built and run at model.world_size = N, model.rank = 0 (rank 0's exact shapes), so they call
+# every collective where TP N calls it; collectives_not_run makes each of those calls a no-op that counts itself.
+# The step times are measured; the collectives' cost is not: the projection adds it at --allreduce-us per call.
+
+
+def _gather_own(outputs: list, tensor: torch.Tensor, *args, **kw) -> None:
+    for out in outputs:
+        out.copy_(tensor)
+
+
+NOOP_COLLECTIVES = {   # name -> what its no-op leaves in the outputs: this rank's own data, so every value is defined
+    "all_reduce": lambda tensor, *args, **kw: None,              # this rank's partial sum stays as it is
+    "all_gather": _gather_own,                                   # every slot gets this rank's tensor (a local copy)
+    "all_gather_into_tensor": lambda out, tensor, *args, **kw: out.view(-1, *tensor.shape).copy_(tensor),
+    "all_gather_object": lambda objs, obj, *args, **kw: objs.__setitem__(slice(None), [obj] * len(objs)),
+    "broadcast": lambda *args, **kw: None,                       # rank 0 is the source: its data stands
+    "broadcast_object_list": lambda *args, **kw: None,
+    "barrier": lambda *args, **kw: None,
+}
+
+
+@contextlib.contextmanager
+def collectives_not_run(tp: int):
+    """Inside: model.world_size = tp and model.rank = 0 with no process group (modules built here get rank 0's
+    shapes; their forward calls each collective that TP tp calls), and each torch.distributed function in
+    NOOP_COLLECTIVES is a no-op that counts its calls in the Counter this yields (name -> calls). Nothing crosses
+    a link and nothing waits for another rank. A collective not listed fails, as without a process group. Used by
+    e2e --one-rank-of only; model.py and draft.py are untouched (they look up torch.distributed at each call)."""
+    import torch.distributed as dist
+    counts: collections.Counter = collections.Counter()
+
+    def counted(name: str, noop):
+        def call(*args, **kw):
+            counts[name] += 1
+            noop(*args, **kw)
+        return call
+
+    saved, old_tp = {name: getattr(dist, name) for name in NOOP_COLLECTIVES}, (M.world_size, M.rank)
+    for name, noop in NOOP_COLLECTIVES.items():
+        setattr(dist, name, counted(name, noop))
+    M.set_tp(tp, 0)
+    try:
+        yield counts
+    finally:
+        M.set_tp(*old_tp)
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def step_collectives(target, drafter, budget: int, sampling: tuple, counts: collections.Counter) -> dict:
+    """The collectives of one decoding step (budget 0: AR; B: DDTree B), counted: a 2-token prefill, then one step
+    run eagerly (the Python that a CUDA graph captures, so a replay makes the same calls). name -> calls."""
+    import generate as G
+    drafter = drafter if budget else None
+    step = G.Step(target, drafter, 1, budget, False, sampling)
+    step.prefill([[0, 1]])
+    counts.clear()
+    step.run(budget > 0)
+    return dict(counts)
+
+
+def synthetic_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    """n token ids drawn uniformly from the vocabulary (seeded): a prompt that only sets the context length."""
+    return torch.randint(vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def bench_one_rank(a, device, dtype) -> dict:
+    """e2e --one-rank-of N: rank 0 of TP N in this one process (collectives_not_run): for each --ctx (a synthetic
+    prompt of that many tokens), --temperature and step (AR, then DDTree at each --budgets): a warm-up decode
+    from its first 16 tokens (kernels compiled, CUDA graphs captured), then a timed decode of --max-new-tokens by
+    generate(mode=--step-mode). ms per step = decode time / steps: all the loop does after the first token. The
+    collectives per step are counted (step_collectives). Projection: tok/s = accept / (ms per step + calls x cost)."""
+    import generate as G
+    if M.world_size > 1:
+        raise ValueError("--one-rank-of runs in one process: run it without torchrun")
+    tp = a.one_rank_of
+    ckpt, draft_dir = _e2e_paths(a)
+    steps = [0] + (list(a.budgets) if draft_dir else [])
+    widest = max(steps) + 1
+    with collectives_not_run(tp) as counts:
+        target = C.load_model(ckpt, device, dtype, progress=False)
+        drafter = C.load_drafter(draft_dir, target.args, device, dtype) if draft_dir else None
+        weights = param_bytes(target) + (param_bytes(drafter) if drafter else 0)
+        print0(f"\n## e2e --one-rank-of {tp}: rank 0 of TP{tp} in one process: {ckpt}"
+               + (f" + drafter {draft_dir}" if draft_dir else " (no drafter: AR only)")
+               + f" on {device}, {str(dtype).replace('torch.', '')}, step mode {a.step_mode}")
+        print0(f"THE COLLECTIVES DID NOT RUN: every torch.distributed collective that the model, the drafter and "
+               f"the step call was a no-op that only counted its calls; their cost is projected below, not measured")
+        print0(f"weights of this rank: {weights / 2**30:.2f} GiB; synthetic prompts of {', '.join(map(str, a.ctx))} "
+               f"tokens (random ids, seed {a.seed}); {a.max_new_tokens} new tokens per run; warm-up: "
+               + ("none" if a.warmup == 0 else f"{a.max_new_tokens if a.warmup < 0 else a.warmup} tokens per run "
+                  "after the prompt's first 16"))
+        G.Step.cache.clear()
+        target.setup_cache(1, 2 + 2 * widest + 8)
+        if drafter is not None:
+            drafter.setup_cache(1, 2 + 2 * widest + 8)
+        per_step = {(t, b): step_collectives(target, drafter, b, (t, 0, 1.0), counts)
+                    for t in a.temperature for b in steps}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        rows = []
+        for ctx in a.ctx:
+            prompt = synthetic_prompt(ctx, target.args.vocab_size, a.seed)
+            max_seq_len = ctx + a.max_new_tokens + widest + 8
+            G.Step.cache.clear()                  # this ctx's caches at their own size, as a real run has them
+            target.setup_cache(1, max_seq_len)
+            if drafter is not None:
+                drafter.setup_cache(1, max_seq_len)
+            for temp in a.temperature:
+                for b in steps:
+                    kw = dict(drafter=drafter if b else None, budget=b, temperature=temp, max_seq_len=max_seq_len,
+                              mode=a.step_mode)
+                    if a.warmup != 0:     # a short prompt: the step's shapes (and graphs) do not depend on it
+                        G.generate(target, prompt[:16], a.max_new_tokens if a.warmup < 0 else a.warmup, **kw)
+                    st = G.Stats()
+                    G.generate(target, prompt, a.max_new_tokens, stats=st, **kw)
+                    n = len(st.accept_lens)
+                    c = per_step[temp, b]
+                    rows.append({"ctx": ctx, "temperature": temp, "mode": "ddtree" if b else "ar",
+                                 "budget": b or None, "steps": n, "decode_s": st.decode_s,
+                                 "ms_per_step": 1e3 * st.decode_s / n, "mean_accept": st.mean_accept,
+                                 "prefill_s": st.prefill_s, "all_reduce": c.get("all_reduce", 0),
+                                 "all_gather": c.get("all_gather", 0), "collectives": sum(c.values()),
+                                 "collective_calls": c})
+        G.Step.cache.clear()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    proj = project_one_rank(rows, a.accept, a.allreduce_us)
+    print_one_rank(tp, rows, proj, a.accept, a.allreduce_us, weights, peak,
+                   a.step_mode == "eager" and device.type == "cuda")
+    return {"one_rank_of": tp, "rank": 0, "collectives_run": False, "statement": COLLECTIVES_NOT_RUN,
+            "target": ckpt, "draft": draft_dir, "dtype": str(dtype).replace("torch.", ""),
+            "step_mode": a.step_mode, "max_new_tokens": a.max_new_tokens, "ctx": a.ctx, "accept": a.accept,
+            "allreduce_us": a.allreduce_us, "weights_bytes": weights, "cuda_max_allocated_bytes": peak,
+            "rows": rows, "projection": proj}
+
+
+COLLECTIVES_NOT_RUN = ("the collectives did not run: each was a no-op that counted its calls; the step times "
+                       "exclude them and the tok/s add them at a stated cost per call (--allreduce-us)")
+
+
+def project_one_rank(rows: list[dict], accepts: list[float], costs_us: list[float]) -> list[dict]:
+    """Per measured row and per cost per collective: step ms = measured ms + collectives x cost; tok/s = tokens per
+    step / step ms, where tokens per step is 1 for AR and each of `accepts` for DDTree (acceptance measured on
+    random weights means nothing, so it is given, not taken from the run). Every collective (the lm_head's
+    all-gather too) is charged as one all-reduce."""
+    out = []
+    for r in rows:
+        for cost in costs_us:
+            comm_ms = r["collectives"] * cost / 1e3
+            ms = r["ms_per_step"] + comm_ms
+            for acc in ([1.0] if r["mode"] == "ar" else accepts):
+                out.append({"ctx": r["ctx"], "temperature": r["temperature"], "mode": r["mode"],
+                            "budget": r["budget"], "accept": acc, "allreduce_us": cost,
+                            "ms_per_step": r["ms_per_step"], "comm_ms": comm_ms, "step_ms": ms,
+                            "tokens_per_s_no_comm": 1e3 * acc / r["ms_per_step"], "tokens_per_s": 1e3 * acc / ms})
+    return out
+
+
+def print_one_rank(tp: int, rows: list[dict], proj: list[dict], accepts: list[float], costs_us: list[float],
+                   weights: int, peak: int | None, eager_cuda: bool) -> None:
+    step = lambda r: f"DDTree {r['budget']}" if r["budget"] else "AR"
+    print0(table(["ctx", "temp", "step", "steps", "ms/step", "all-reduces/step", "all-gathers/step",
+                  "collectives/step", "accept here", "prefill s"],
+                 [[r["ctx"], _f(r["temperature"], "g"), step(r), r["steps"], _f(r["ms_per_step"], ".2f"),
+                   r["all_reduce"], r["all_gather"], r["collectives"], _f(r["mean_accept"], ".2f"),
+                   _f(r["prefill_s"], ".2f")] for r in rows]))
+    print0(f"ms/step: measured on rank 0 of TP{tp} with the collectives not run (decode time / steps"
+           + ("; eager: the clock synchronizes the GPU after every stage" if eager_cuda else "") + "); "
+           f"collectives/step: counted, one step of each kind run eagerly; accept here: on a synthetic prompt "
+           f"(and random weights for random:<name>), not a quality figure"
+           + (f"; peak CUDA memory {peak / 2**30:.2f} GiB ({weights / 2**30:.2f} GiB weights)" if peak else ""))
+    print0(f"\nprojected TP{tp} decode, NOT MEASURED: tok/s = accept / (ms/step + collectives/step x cost), every "
+           f"collective at {', '.join(f'{c:g}' for c in costs_us)} us (--allreduce-us: a given cost, not measured "
+           f"here; `torchrun ... bench.py allreduce` measures one); AR commits 1 token per step, DDTree the given "
+           f"accept ({', '.join(f'{x:g}' for x in accepts)}; --accept)")
+    print0(table(["ctx", "temp", "step", "accept", "cost us", "ms/step", "+ comm ms", "= ms/step", "tok/s no comm",
+                  "tok/s"],
+                 [[p["ctx"], _f(p["temperature"], "g"), step(p), _f(p["accept"], "g"), _f(p["allreduce_us"], "g"),
+                   _f(p["ms_per_step"], ".2f"), _f(p["comm_ms"], ".2f"), _f(p["step_ms"], ".2f"),
+                   _f(p["tokens_per_s_no_comm"]), _f(p["tokens_per_s"])] for p in proj]))
+    print0(COLLECTIVES_NOT_RUN)
+
+
+# ----------------------------------------------------------------------------------------------
 # layers: one K2.6-shaped block with random weights, latency vs byte floor, projection to the model
 
 
@@ -732,14 +924,15 @@ def project(rows: list[dict], head: list[dict], cfg: dict, a) -> tuple[list[dict
     + collectives at a fixed cost each. Returns rows per (ctx, T) and the assumptions, as printed."""
     n_layers, n_dense = cfg["num_hidden_layers"], cfg["first_k_dense_replace"]
     n_moe, n_coll = n_layers - n_dense, 2 * n_layers + 2
-    comm_us = n_coll * a.allreduce_us if a.tp > 1 else 0.0
+    cost = a.allreduce_us[0]
+    comm_us = n_coll * cost if a.tp > 1 else 0.0
     no_dense = "" if any(r["layer"] == "dense" for r in rows) else "; dense layer not timed (--no-dense): counted as MoE"
     assumptions = [
         f"{n_layers} layers: {n_moe} MoE + {n_dense} dense, each timed as the block above at the same ctx and T "
         f"(best of eager, CUDA graph and torch.compile where timed){no_dense}",
         f"per-rank shapes at TP{a.tp}: one rank's step time is the model's step time (all ranks work in lockstep)",
         f"collectives: 2 all-reduces per layer (attention o_proj, MLP/MoE) + the embedding all-reduce + the lm_head "
-        f"all-gather = {n_coll} x {a.allreduce_us:g} us = {n_coll * a.allreduce_us / 1e3:.2f} ms (--allreduce-us; "
+        f"all-gather = {n_coll} x {cost:g} us = {n_coll * cost / 1e3:.2f} ms (--allreduce-us; "
         f"bench.py allreduce measures it)"
         + ("" if a.tp > 1 else "; TP1 has no collectives: counted as 0"),
         "lm_head: one rank's [vocab/tp, hidden] bf16 matmul, timed; the embedding lookup (T rows) is not counted",
@@ -831,7 +1024,7 @@ def bench_layers(a, device, dtype) -> dict:
     if scale == "tiny":
         print0("(scale tiny: the projection only exercises the arithmetic; run --scale real on a GPU for numbers)")
     return {"scale": scale, "tp": a.tp, "dtype": str(dtype).replace("torch.", ""), "tree": a.tree,
-            "copy_bandwidth_Bps": bw, "copy_bytes": nbytes, "allreduce_us": a.allreduce_us, "rows": rows,
+            "copy_bandwidth_Bps": bw, "copy_bytes": nbytes, "allreduce_us": a.allreduce_us[0], "rows": rows,
             "lm_head": head, "projection": proj, "assumptions": assumptions}
 
 
@@ -971,7 +1164,7 @@ def bench_draft(a, device, dtype) -> dict:
             ctx_len = torch.tensor([ctx], device=device)
             step = lambda: drafter(block, feats, ctx_len)
             t = median_time(step, device, graph=a.graph and device.type == "cuda")
-            comm = (2 * args.num_hidden_layers + 1) * a.allreduce_us if tp > 1 else 0.0
+            comm = (2 * args.num_hidden_layers + 1) * a.allreduce_us[0] if tp > 1 else 0.0
             rows.append({"tp": tp, "ctx": ctx, "weights_MB": nbytes / 1e6, "us": t * 1e6, "comm_us": comm,
                          "total_us": t * 1e6 + comm, "floor_us": nbytes / bw * 1e6})
         del drafter
@@ -982,7 +1175,7 @@ def bench_draft(a, device, dtype) -> dict:
                  [[r["tp"], r["ctx"], _f(r["weights_MB"]), _f(r["us"]), _f(r["comm_us"]), _f(r["total_us"]),
                    _f(r["floor_us"])] for r in rows]))
     print0(f"all-reduces: {2 * args.num_hidden_layers + 1} per forward (fc, then o_proj and down_proj per layer) at "
-           f"{a.allreduce_us:g} us (--allreduce-us); the draft logits (target lm_head) are not included")
+           f"{a.allreduce_us[0]:g} us (--allreduce-us); the draft logits (target lm_head) are not included")
     return {"tp": a.tp, "copy_bandwidth_Bps": bw, "rows": rows}
 
 
@@ -1550,6 +1743,8 @@ def main(argv: list[str] | None = None) -> dict:
               "kernels": bench_kernels}[mode]
         if mode == "e2e" and a.batch:
             fn = bench_batch
+        elif mode == "e2e" and a.one_rank_of is not None:
+            fn = bench_one_rank
         try:
             result[mode] = fn(a, device, dtype)
         except FileNotFoundError as e:
@@ -1604,6 +1799,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     e.add_argument("--no-chain", action="store_true", help="skip the DFlash chain baseline")
     e.add_argument("--bound", action="store_true", help="also the accept of a perfect drafter (the target drafting "
                    "for itself) at each DDTree budget and temperature")
+    o = p.add_argument_group("e2e --one-rank-of N: rank 0 of tensor-parallel size N on one device, collectives NOT run")
+    o.add_argument("--one-rank-of", type=int, default=None, metavar="N",
+                   help="build rank 0's exact shapes of TP N in this one process (no process group) and time the real "
+                   "decoding step (AR and DDTree at each --budgets; synthetic prompts of each --ctx tokens). The "
+                   "collectives do NOT run: each is a no-op that counts its calls; their cost is projected at "
+                   "--allreduce-us per call")
+    o.add_argument("--accept", type=_floats, default=[4.48, 5.3],
+                   help="--one-rank-of: accept lengths (tokens per DDTree step) to project tok/s at")
     s = p.add_argument_group("step (the e2e pair and its first prompt)")
     s.add_argument("--step-budgets", type=_ints, default=[0, 8], help="step: 0 = the AR step, B > 0 = DDTree B")
     s.add_argument("--step-modes", type=lambda v: v.split(","), default=None,
@@ -1611,13 +1814,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     l = p.add_argument_group("layers / peer")
     l.add_argument("--scale", choices=["auto", "real", "tiny"], default="auto", help="auto: real on CUDA, tiny on CPU")
     l.add_argument("--tp", type=int, default=8, help="per-rank shapes of this tensor-parallel size (rank 0)")
-    l.add_argument("--ctx", type=_ints, default=None, help="cached tokens (default real 512,4096,32768; tiny 128,1024)")
+    l.add_argument("--ctx", type=_ints, default=None,
+                   help="cached tokens (default real 512,4096,32768; tiny 128,1024); e2e --one-rank-of: synthetic "
+                   "prompt lengths (default 4096,32768 on CUDA, 128 on the CPU)")
     l.add_argument("--T", type=_ints, default=[1, 9, 17, 33], help="new tokens per step (T > 1: tree verify)")
     l.add_argument("--tree", choices=["random", "chain"], default="random", help="tree shape for T > 1")
     l.add_argument("--no-dense", dest="dense", action="store_false", help="skip the dense layer-0 block")
     l.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph timings")
     l.add_argument("--compile", action="store_true", help="layers: also time torch.compile of each block")
-    l.add_argument("--allreduce-us", type=float, default=25.0, help="cost of one collective in the projection")
+    l.add_argument("--allreduce-us", type=_floats, default=[25.0],
+                   help="cost of one collective in the projection, us (a stated figure, not a measurement: "
+                   "torchrun ... bench.py allreduce measures it); e2e --one-rank-of takes several, e.g. 20,10")
     l.add_argument("--copy-mb", type=int, default=0, help="size of the bandwidth copy (0: 2048 on CUDA, 128 on CPU)")
     l.add_argument("--peer-experts", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"],
                    help="transformers' experts implementation (grouped_mm is its default for models)")
@@ -1633,9 +1840,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--no-triton", action="store_true", help="force the PyTorch reference kernels")
     c.add_argument("--out", default=None, help="write the JSON here (and a PNG plot next to it)")
     a = p.parse_args(argv)
+    if a.one_rank_of is not None:
+        check_one_rank_args(p, a)
     if a.ctx is None:
         a.ctx = [128, 1024] if a.scale == "tiny" or (a.scale == "auto" and not torch.cuda.is_available()) \
             else [512, 4096, 32768]
+    if len(a.allreduce_us) != 1 and a.one_rank_of is None:
+        p.error(f"--allreduce-us: one cost (several only with e2e --one-rank-of), got {a.allreduce_us}")
+    if not a.allreduce_us or min(a.allreduce_us) < 0:
+        p.error(f"--allreduce-us must be >= 0, got {a.allreduce_us}")
     if min(a.T) < 1 or max(a.T) > 64:
         p.error(f"--T values must lie in [1, 64] (the tree kernel's mask word), got {a.T}")
     if a.tp < 1:
@@ -1645,6 +1858,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     if "auto" in a.budgets and (a.mode != "e2e" or a.batch):
         p.error("--budgets auto: e2e only (not --batch)")
     return a
+
+
+def check_one_rank_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """--one-rank-of's flags, checked before anything loads; the TP size against the target's and the drafter's
+    config (model.check_tp_divisibility, draft.check_tp_divisibility). A bad value ends in p.error (exit 2)."""
+    n = a.one_rank_of
+    if n < 1:
+        p.error(f"--one-rank-of must be a tensor-parallel size >= 1, got {n}")
+    if a.mode != "e2e" or a.batch:
+        p.error("--one-rank-of: e2e only (not --batch)")
+    if "auto" in a.budgets:
+        p.error("--one-rank-of times fixed steps: --budgets takes node budgets, not auto")
+    if a.max_new_tokens < 2:
+        p.error(f"--one-rank-of: --max-new-tokens must be >= 2 (the first token comes from prefill; the steps "
+                f"follow), got {a.max_new_tokens}")
+    if not a.accept or min(a.accept) < 1:
+        p.error(f"--accept: tokens per step, each >= 1, got {a.accept}")
+    if a.ctx is None:
+        cpu = (a.device or "").startswith("cpu") or not torch.cuda.is_available()
+        a.ctx = [128] if cpu else [4096, 32768]
+    if min(a.ctx) < 1:
+        p.error(f"--ctx: prompt lengths >= 1, got {a.ctx}")
+    try:
+        ckpt, draft = _e2e_paths(a)
+    except FileNotFoundError:
+        return                        # bench_e2e names the missing checkpoint
+    try:
+        M.check_tp_divisibility(C.model_args(ckpt), n)
+        if draft is not None:
+            D.check_tp_divisibility(D.DraftArgs.from_config(draft), n)
+    except ValueError as e:
+        p.error(f"--one-rank-of {n}: {e}")
 
 
 if __name__ == "__main__":

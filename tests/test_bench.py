@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import bench
+import checkpoint as C
 import draft as Dr
+import generate as G
 import model as M
 import tiny
 import verify as V
@@ -364,3 +366,102 @@ def test_e2e_bound(pair, capsys):
                 assert r["accept_bound"] == r["accept_bound_expected"] == min(r["budget"], L) + 1
         else:
             assert "accept_bound" not in r
+
+
+def one_rank(tp: int, capsys, *extra) -> tuple[dict, str]:
+    res = bench.main(["e2e", "--device", "cpu", "--ckpt", "random:tiny", "--one-rank-of", str(tp), "--budgets", "4",
+                      "--ctx", "12", "--max-new-tokens", "2", "--temperature", "0", "--warmup", "0", *extra])
+    printed = capsys.readouterr().out
+    assert json.loads(printed.strip().splitlines()[-1]) == json.loads(json.dumps(res))
+    return res["e2e"], printed
+
+
+def test_e2e_one_rank_of(capsys):
+    """--one-rank-of 2 on random:tiny: rank 0's shapes, the real step with the collectives counted, not run. The
+    counts per step follow from the configs: the target calls 1 + 2 per layer all-reduces (embedding; o_proj and
+    the MLP/MoE of each layer) and 1 all-gather (lm_head); a DDTree step adds the drafter's 1 + 1 + 2 per layer
+    (the target's embedding of the block, fc, o_proj and MLP of each layer) and 1 all-gather (the draft logits)."""
+    originals = {n: getattr(torch.distributed, n) for n in bench.NOOP_COLLECTIVES}
+    e, printed = one_rank(2, capsys, "--accept", "4.48,5.3", "--allreduce-us", "20,8.8")
+    args, dargs = C.model_args("random:tiny"), Dr.DraftArgs.from_config("random:tiny-dflash")
+    target_ar, draft_ar = 1 + 2 * args.num_hidden_layers, 2 + 2 * dargs.num_hidden_layers
+    assert e["one_rank_of"] == 2 and e["collectives_run"] is False and e["draft"] == "random:tiny-dflash"
+    assert "THE COLLECTIVES DID NOT RUN" in printed and "NOT MEASURED" in printed
+    text = "\n".join(printed.strip().splitlines()[:-1])          # the printed report, the JSON line left out
+    assert text.count(bench.COLLECTIVES_NOT_RUN) == 1 and e["statement"] == bench.COLLECTIVES_NOT_RUN
+    assert "collectives did not run" in bench.COLLECTIVES_NOT_RUN
+    rows = {r["mode"]: r for r in e["rows"]}
+    assert [(r["ctx"], r["mode"], r["budget"]) for r in e["rows"]] == [(12, "ar", None), (12, "ddtree", 4)]
+    assert (rows["ar"]["all_reduce"], rows["ar"]["all_gather"]) == (target_ar, 1)
+    assert (rows["ddtree"]["all_reduce"], rows["ddtree"]["all_gather"]) == (target_ar + draft_ar, 2)
+    for r in e["rows"]:
+        assert r["collectives"] == r["all_reduce"] + r["all_gather"] == sum(r["collective_calls"].values())
+        assert r["steps"] >= 1 and close(r["ms_per_step"], 1e3 * r["decode_s"] / r["steps"]) and r["decode_s"] > 0
+    proj = e["projection"]
+    assert len(proj) == 2 * (1 + 2)            # per cost: AR at accept 1, DDTree at each --accept
+    for p in proj:
+        r = rows[p["mode"]]
+        assert p["accept"] in ([1.0] if p["mode"] == "ar" else [4.48, 5.3]) and p["allreduce_us"] in (20.0, 8.8)
+        assert close(p["comm_ms"], r["collectives"] * p["allreduce_us"] / 1e3)
+        assert close(p["step_ms"], r["ms_per_step"] + p["comm_ms"])
+        assert close(p["tokens_per_s"], 1e3 * p["accept"] / (r["ms_per_step"] + r["collectives"] * p["allreduce_us"]
+                                                            / 1e3))
+        assert close(p["tokens_per_s_no_comm"], 1e3 * p["accept"] / r["ms_per_step"])
+    # the patch stays inside the mode
+    assert M.world_size == 1 and M.rank == 0
+    assert {n: getattr(torch.distributed, n) for n in bench.NOOP_COLLECTIVES} == originals
+
+
+def test_e2e_one_rank_of_1_has_no_collectives(capsys):
+    e, _ = one_rank(1, capsys)
+    assert [r["collectives"] for r in e["rows"]] == [0, 0] and all(r["collective_calls"] == {} for r in e["rows"])
+    assert all(p["comm_ms"] == 0 and close(p["tokens_per_s"], p["tokens_per_s_no_comm"]) for p in e["projection"])
+
+
+def test_one_step_count_is_what_each_decode_step_pays():
+    """bench.step_collectives counts one eager step; a whole eager decode calls prefill's collectives, then
+    exactly that many per step (AR and DDTree)."""
+    original = torch.distributed.all_reduce
+    with bench.collectives_not_run(2) as counts, torch.no_grad():
+        assert torch.distributed.all_reduce is not original and M.world_size == 2
+        target = C.random_model("random:tiny", "cpu", torch.float32)
+        drafter = C.random_drafter("random:tiny-dflash", target.args, "cpu", torch.float32)
+        assert target.lm_head.weight.shape[0] == target.args.vocab_size // 2     # rank 0's slice
+        target.setup_cache(1, 64)
+        drafter.setup_cache(1, 64)
+        for budget in (0, 4):
+            step = G.Step(target, drafter if budget else None, 1, budget, False, (0.0, 0, 1.0))
+            counts.clear()
+            step.prefill([list(range(2, 14))])
+            prefill = counts.copy()
+            per_step = bench.step_collectives(target, drafter, budget, (0.0, 0, 1.0), counts)
+            counts.clear()
+            st = G.Stats()
+            G.generate(target, list(range(2, 14)), 3, drafter=drafter, budget=budget, max_seq_len=64, stats=st)
+            steps = len(st.accept_lens)
+            assert steps >= 1 and per_step["all_reduce"] > 0
+            assert dict(counts) == {k: prefill[k] + steps * per_step[k] for k in per_step}
+    assert M.world_size == 1 and torch.distributed.all_reduce is original
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "--one-rank-of must be a tensor-parallel size >= 1, got 0"),
+    ("-8", "--one-rank-of must be a tensor-parallel size >= 1, got -8"),
+    ("2.5", "argument --one-rank-of: invalid int value: '2.5'"),
+    ("3", "--one-rank-of 3: tensor parallel size 3 does not divide num_attention_heads=8"),
+    ("16", "--one-rank-of 16: tensor parallel size 16 does not divide num_attention_heads=8")])
+def test_one_rank_of_bad_values(value, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["e2e", "--ckpt", "random:tiny", "--one-rank-of", value])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith(f": error: {message}")
+
+
+def test_one_rank_of_bad_combinations(capsys):
+    for argv, message in [(["layers", "--one-rank-of", "8"], "--one-rank-of: e2e only"),
+                          (["e2e", "--one-rank-of", "8", "--budgets", "auto"], "not auto"),
+                          (["e2e", "--one-rank-of", "8", "--accept", "0.5"], "--accept: tokens per step"),
+                          (["e2e", "--one-rank-of", "8", "--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
+                          (["layers", "--allreduce-us", "20,10"], "--allreduce-us: one cost")]:
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(argv + ["--ckpt", "random:tiny"])
+        assert e.value.code == 2 and message in capsys.readouterr().err
