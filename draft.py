@@ -177,10 +177,10 @@ def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=N
 
 
 class Linear(M.Linear):
-    """model.Linear (shard_dim 0: column-parallel, 1: row-parallel, None: replicated; out_features may stack
-    several checkpoint tensors) plus Qwen3's optional bias, stacked like the weight. A column-parallel bias is
-    split with the output rows. A row-parallel bias is replicated but only rank 0 adds it, so the caller's
-    all-reduce counts it once."""
+    """model.Linear (shard_dim 0: column-parallel, 1: row-parallel, None: replicated; out_features
+    may stack several checkpoint tensors) plus Qwen3's optional bias, stacked like the weight. A
+    column-parallel bias is split with the output rows. A row-parallel bias is replicated but only
+    rank 0 adds it, so the caller's all-reduce counts it once."""
 
     def __init__(self, in_features: int, out_features: int | dict[str, int], bias: bool = False,
                  shard_dim: int | None = None):
@@ -195,7 +195,9 @@ class Linear(M.Linear):
         """x W^T + b, or only the output rows `rows` (some of the tensors a stacked weight holds)"""
         # row-parallel: the caller all-reduces the ranks' partial sums, so only rank 0 adds the bias
         bias = None if self.weight.shard_dim == 1 and M.rank != 0 else self.bias
-        return F.linear(x, self.weight[rows], None if bias is None else bias[rows])
+        if bias is None:
+            return M.linear(x, self.weight[rows])
+        return F.linear(x, self.weight[rows], bias[rows])
 
 
 class Attention(nn.Module):
@@ -209,8 +211,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv = H // M.world_size, KV // M.world_size                   # local heads
         D, b = a.hidden_size, a.attention_bias
         # q, k and v of the context and block rows: the three weights stacked, one GEMM
-        self.qkv_proj = Linear(D, {"q_proj": H * self.hd, "k_proj": KV * self.hd, "v_proj": KV * self.hd}, b,
-                               shard_dim=0)
+        rows = {"q_proj": H * self.hd, "k_proj": KV * self.hd, "v_proj": KV * self.hd}
+        self.qkv_proj = Linear(D, rows, b, shard_dim=0)
         self.o_proj = Linear(H * self.hd, D, b, shard_dim=1)
         self.q_norm = RMSNorm(self.hd, a.rms_norm_eps)     # per head, before rope (Qwen3)
         self.k_norm = RMSNorm(self.hd, a.rms_norm_eps)
@@ -218,7 +220,7 @@ class Attention(nn.Module):
     def q(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         """x [B, T, D] -> roped queries [B, T, n_heads, hd]: the plain equations (training)."""
         B, T, _ = x.shape
-        q = self.qkv_proj(x, rows=slice(0, self.n_heads * self.hd))                        # [B, T, H hd]
+        q = self.qkv_proj(x, rows=slice(0, self.n_heads * self.hd))                 # [B, T, H hd]
         return apply_rope(self.q_norm(q.view(B, T, self.n_heads, self.hd)), cos, sin)
 
     def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +228,7 @@ class Attention(nn.Module):
         The same projections serve the context features (fused target hiddens, no input_layernorm) and the block
         hidden states ("KV injection"); forward does both for all rows at once."""
         B, T, _ = x.shape
-        kv = self.qkv_proj(x, rows=slice(self.n_heads * self.hd, None))                   # [B, T, 2 KV hd]
+        kv = self.qkv_proj(x, rows=slice(self.n_heads * self.hd, None))            # [B, T, 2KV hd]
         k, v = kv.view(B, T, 2 * self.n_kv, self.hd).chunk(2, dim=2)
         return apply_rope(self.k_norm(k), cos, sin), v
 
@@ -237,7 +239,7 @@ class Attention(nn.Module):
         queries attend over row b's first prefix[b] + bs slots (of S): the context, then the block itself, which
         sits at prefix[b] ... -> [B, bs, D]. One GEMM, qkv_norm_rope, block_attention and o_proj."""
         B = x.shape[0]
-        qkv = self.qkv_proj(x)                                                            # [B, N, (H+2KV) hd]
+        qkv = self.qkv_proj(x)                                                  # [B, N, (H+2KV) hd]
         q = qkv_norm_rope(qkv, self.n_heads, self.n_kv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                           cos, sin, k_cache, v_cache, slots, q_start=n_ctx)              # [B, bs, H, hd]
         o = block_attention(q, k_cache[:B, :S], v_cache[:B, :S], prefix, self.hd ** -0.5)  # [B, bs, H, hd]
@@ -543,7 +545,7 @@ def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
         check_compatible(args, target_args)
     # allocated in the final dtype (no fp32 copy of a 3.5B model); the constructor checks the TP divisibility first
     drafter = C.build(lambda: DFlashDrafter(args), device or "cpu", dtype or torch.get_default_dtype())
-    # checkpoint name -> (where its slice goes: a parameter or a row block of a stacked one, its shard_dim)
+    # checkpoint name -> (where its slice goes: a parameter or a stacked one's rows, its shard_dim)
     params, loaded = C.checkpoint_slots(drafter), set()
     for fname, names in sorted(C.shard_files(path).items()):
         with safe_open(os.path.join(path, fname), framework="pt", device="cpu") as f:
@@ -562,8 +564,10 @@ def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
     return drafter.eval()
 
 
-def _load_slice(sl, dest: torch.Tensor, sd: int | None, key: str, name: str, fname: str, args: DraftArgs) -> None:
-    """Check one checkpoint tensor's dtype and full (unsharded) shape, then copy this rank's slice into dest."""
+def _load_slice(sl, dest: torch.Tensor, sd: int | None, key: str, name: str, fname: str,
+                args: DraftArgs) -> None:
+    """Check one checkpoint tensor's dtype and full (unsharded) shape, then copy this rank's slice
+    into dest."""
     dtype = C.DTYPES.get(sl.get_dtype())
     if dtype is None or not dtype.is_floating_point:
         raise CheckpointError(f"tensor {name} in {fname} has dtype {dtype or sl.get_dtype()}, expected a float")
@@ -579,12 +583,13 @@ def _load_slice(sl, dest: torch.Tensor, sd: int | None, key: str, name: str, fna
 
 
 def write_drafter(path: str, drafter_or_state, config: dict, n_shards: int = 1) -> None:
-    """Write config.json + model.safetensors (or n_shards shards + index) in the public DFlash layout: a drafter
-    (world size 1), or a state dict under checkpoint names or the drafter's own (stacked tensors are split)."""
+    """Write config.json + model.safetensors (or n_shards shards + index) in the public DFlash
+    layout: a drafter (world size 1), or a state dict under checkpoint names or the drafter's own
+    (stacked tensors are split)."""
     from safetensors.torch import save_file
     if isinstance(drafter_or_state, nn.Module):
         state = C.checkpoint_tensors(drafter_or_state)
-    else:          # the stacked parameters of a drafter of this config, split into the tensors they hold
+    else:      # the stacked parameters of a drafter of this config, split into their tensors
         with torch.device("meta"):
             layout = DFlashDrafter(DraftArgs.from_config(config))
         state = C.checkpoint_tensors(layout, drafter_or_state)

@@ -2,8 +2,8 @@
 Triton fast paths of nano-ddtree: each kernel computes what a plain PyTorch function of a stage file computes (its
 reference), in fewer launches or fewer bytes.
 
-    model.py   rms_norm, add_rms_norm, rope, silu_mul, mla_latent_to_cache, mla_tree_attention, router_topk,
-               int4_experts (launcher: fused_moe_w4a16)
+    model.py   linear, rms_norm, add_rms_norm, rope, silu_mul, mla_latent_to_cache, mla_tree_attention,
+               router_topk, int4_experts (launcher: fused_moe_w4a16)
     draft.py   qkv_norm_rope, block_attention;   tree.py  rank_topk, ddtree_search;   verify.py  accept, commit_kv
 
 The one switch: a stage file marks its reference `@kernels.fast`; this file registers a launcher under the same name
@@ -296,6 +296,74 @@ def mla_latent_to_cache(kv, weight, eps, cos, sin, cache, slots):
                                      EPS=float(eps), num_warps=_row_warps(R))
 
 
+# The projections of a decode / verify step (model.linear: every Linear): y = x W^T for M <= SKINNY_MAX_M rows, W
+# [N, K] streamed once. cuBLAS runs a split-K GEMM and a separate reduce at these shapes; here program (n block,
+# split) multiplies its [BLOCK_N, K / SPLIT] slice of W by all M rows (one tl.dot tile of BLOCK_M rows), and the last
+# split of an n block to finish sums the splits in order (the same bits every run; for a row, whatever the other
+# rows of its tile). One launch.
+
+SKINNY_MAX_M = 64
+SKINNY = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, max_split=8, waves=2)
+SKINNY_MAX_BLOCKS = 4096      # n blocks with a counter each
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, part_ptr, y_ptr, count_ptr, M, N, K, K_SPLIT, stride_x, SPLIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_x + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :], mask=n_mask[:, None] & (k < K)[None, :],
+                    other=0.0)
+        if IEEE:      # fp32 (the interpreter's tests): not tf32
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)                                               # [BLOCK_M, BLOCK_N]
+    tile = offs_m[:, None] * N + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT == 1:
+        tl.store(y_ptr + tile, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + split * M * N + tile, acc, mask=mask)
+        if _last_to_arrive(count_ptr + pid_n, SPLIT):
+            y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):                                 # in split order: the same bits each run
+                y += tl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + tile, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _skinny_split(N: int, K: int, device) -> int:
+    # slices of K for ~`waves` waves of programs, each at least one BLOCK_K tile; depends on the shapes of W alone
+    n_blocks, tiles = triton.cdiv(N, SKINNY["BLOCK_N"]), triton.cdiv(K, SKINNY["BLOCK_K"])
+    return max(1, min(SKINNY["max_split"], tiles, triton.cdiv(int(SKINNY["waves"] * _sm_count(device)), n_blocks)))
+
+
+# 16-bit only: in fp32 (the exactness tests' dtype) cuBLAS's F.linear in every loop, eager or compiled
+@register("linear", fits=lambda x, weight: (
+    _glue(x) and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+    and x.stride(-1) == 1 and weight.is_contiguous() and 0 < x.numel() // max(x.shape[-1], 1) <= SKINNY_MAX_M
+    and triton.cdiv(weight.shape[0], SKINNY["BLOCK_N"]) <= SKINNY_MAX_BLOCKS))
+def linear(x, weight):
+    (N, K), M = weight.shape, x.numel() // x.shape[-1]
+    x2 = x.reshape(M, K)                        # a view for contiguous x and row-strided x
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    split = _skinny_split(N, K, x.device)
+    k_split = triton.cdiv(triton.cdiv(K, split), SKINNY["BLOCK_K"]) * SKINNY["BLOCK_K"]
+    split = triton.cdiv(K, k_split)                                     # no empty slice
+    part = _empty((split, M, N), torch.float32, x.device) if split > 1 else y
+    cfg = {k: SKINNY[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
+    _skinny_kernel[(triton.cdiv(N, SKINNY["BLOCK_N"]), split)](
+        x2, weight, part, y, _stream_counters(x.device), M, N, K, k_split, x2.stride(0), SPLIT=split,
+        BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32, **cfg)
+    return y
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 2. MLA tree attention over the compressed cache (absorbed form). Reference: model.mla_tree_attention.
 # Flash-decoding's split + merge with grouped heads, plus a tree mask. Stage 1, grid (query block, split, b): all
@@ -453,15 +521,14 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale,
 
 # ----------------------------------------------------------------------------------------------------------
 # 3. The noaux_tc router (model.py): logits = x @ weight^T in fp32, sigmoid scores, top-k of score + bias, weights =
-# the chosen scores renormalized and scaled. Reference: model.router_topk. One launch for T <= ROUTER_MAX_T: the
+# the chosen scores renormalized and scaled. Reference: model.router_topk. Two launches for T <= ROUTER_MAX_T: the
 # matmul in programs of BLOCK_E experts x one slice of D (the fp32 weight streamed once; cuBLAS's fp32 GEMM at a few
-# rows is slower); the last slice of an expert block to finish sums the block's slices in a fixed order (the same
-# bits every run), and the last expert block to finish routes every token and sorts the (token, k) pairs by expert
-# for the routed experts (_sort_pairs), which fused_moe_w4a16 then reads instead of sorting them again.
+# rows is slower), where the last slice of an expert block to finish sums the block's slices in a fixed order (the
+# same bits every run); then one program per token routes it, and the last of them to finish sorts the (token, k)
+# pairs by expert for the routed experts (_sort_pairs), which fused_moe_w4a16 reads instead of sorting them again.
 
 ROUTER_MAX_T = 64       # more tokens (prefill): F.linear, where cuBLAS's tiles are full, then _route_kernel
 ROUTER_BLOCKS = dict(BLOCK_E=32, BLOCK_D=64, num_warps=4, num_stages=3)
-ROUTE_ROWS = 4          # tokens routed at once by one program: K rounds over a [ROUTE_ROWS, E] tile
 
 
 @triton.jit
@@ -483,49 +550,40 @@ def _last_to_arrive(counter_ptr, n):
 
 
 @triton.jit
-def _route(logits_ptr, bias_ptr, w_ptr, ids_ptr, t_start, t_stop, N, E, K: tl.constexpr, K_POW2: tl.constexpr,
-           NORM: tl.constexpr, SCALE: tl.constexpr, E_POW2: tl.constexpr, ROWS: tl.constexpr):
-    # tokens t_start..t_stop, ROWS at a time: top-K of sigmoid(logits) + bias by K rounds of one max over int64 keys
-    # (the choice's order bits, then the lower id on ties); weights = the chosen scores (without the bias),
-    # renormalized, scaled
-    e = tl.arange(0, E_POW2)[None, :]
-    k = tl.arange(0, K_POW2)[None, :]
-    bias = tl.load(bias_ptr + e, mask=e < E, other=0.0)
-    for t0 in range(t_start, t_stop, ROWS):
-        t = t0 + tl.arange(0, ROWS)[:, None]
-        valid = (t < N) & (e < E)
-        logits = tl.load(logits_ptr + t * E + e, mask=valid, other=0.0, cache_modifier=".cg")         # [ROWS, E]
-        choice = tl.sigmoid(logits) + bias
-        key = tl.where(valid, (_sortable(choice).to(tl.int64) << 32) | (E_POW2 - 1 - e).to(tl.int64), _KEY_NONE)
-        ids = tl.zeros((ROWS, K_POW2), dtype=tl.int64)
-        for j in tl.static_range(K):
-            best = tl.max(key, 1)[:, None]
-            ids = tl.where(k == j, E_POW2 - 1 - (best & 0xFFFFFFFF), ids)
-            key = tl.where(key == best, _KEY_NONE, key)
-        ok = (t < N) & (k < K)
-        w = tl.sigmoid(tl.load(logits_ptr + t * E + ids, mask=ok, other=0.0, cache_modifier=".cg"))  # [ROWS, K]
-        w = tl.where(ok, w, 0.0)
-        if NORM:
-            w = w / (tl.sum(w, 1)[:, None] + 1e-20)
-        tl.store(w_ptr + t * K + k, w * SCALE, mask=ok)
-        tl.store(ids_ptr + t * K + k, ids, mask=ok)
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, count_ptr, pair_ids_ptr, slots_ptr, N, E, N_SLOTS,
+                  K: tl.constexpr, K_POW2: tl.constexpr, NORM: tl.constexpr, SCALE: tl.constexpr,
+                  E_POW2: tl.constexpr, SORT: tl.constexpr, P_POW2: tl.constexpr, BINS: tl.constexpr,
+                  S_POW2: tl.constexpr):
+    # program t = token: top-K of sigmoid(logits) + bias by K rounds of one max over int64 keys (the choice's order
+    # bits, then the lower id on ties); weights = the chosen scores (without the bias), renormalized, scaled.
+    # SORT: the last program to finish sorts every token's pairs by expert.
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_POW2)
+    k = tl.arange(0, K_POW2)
+    logits = tl.load(logits_ptr + t * E + e, mask=e < E, other=0.0, cache_modifier=".cg")              # [E]
+    choice = tl.sigmoid(logits) + tl.load(bias_ptr + e, mask=e < E, other=0.0)
+    key = tl.where(e < E, (_sortable(choice).to(tl.int64) << 32) | (E_POW2 - 1 - e).to(tl.int64), _KEY_NONE)
+    ids = tl.zeros([K_POW2], dtype=tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(key, 0)
+        ids = tl.where(k == j, E_POW2 - 1 - (best & 0xFFFFFFFF), ids)
+        key = tl.where(key == best, _KEY_NONE, key)
+    w = tl.sigmoid(tl.load(logits_ptr + t * E + ids, mask=k < K, other=0.0, cache_modifier=".cg"))      # [K]
+    w = tl.where(k < K, w, 0.0)
+    if NORM:
+        w = w / (tl.sum(w, 0) + 1e-20)
+    tl.store(w_ptr + t * K + k, w * SCALE, mask=k < K)
+    tl.store(ids_ptr + t * K + k, ids, mask=k < K)
+    if SORT:
+        if _last_to_arrive(count_ptr, N):
+            _sort_pairs(ids_ptr, pair_ids_ptr, slots_ptr, N * K, E, N_SLOTS, P_POW2, BINS, S_POW2)
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, N, E, K: tl.constexpr, K_POW2: tl.constexpr,
-                  NORM: tl.constexpr, SCALE: tl.constexpr, E_POW2: tl.constexpr, ROWS: tl.constexpr):
-    # prefill: program i routes tokens i*ROWS.. from the full logits [N, E]
-    t0 = tl.program_id(0) * ROWS
-    _route(logits_ptr, bias_ptr, w_ptr, ids_ptr, t0, t0 + ROWS, N, E, K, K_POW2, NORM, SCALE, E_POW2, ROWS)
-
-
-@triton.jit
-def _router_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, count_ptr, bias_ptr, topk_w_ptr, ids_ptr, pair_ids_ptr,
-                   slots_ptr, N, E, D, D_SPLIT, N_SLOTS, N_SPLIT: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr,
-                   NORM: tl.constexpr, SCALE: tl.constexpr, E_POW2: tl.constexpr, ROWS: tl.constexpr,
-                   P_POW2: tl.constexpr, BINS: tl.constexpr, S_POW2: tl.constexpr,
+def _router_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, count_ptr, N, E, D, D_SPLIT, N_SPLIT: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BF16: tl.constexpr):
-    # Program (e block, split): partial logits over columns split*D_SPLIT.. of D -> part[split, t, e], all N tokens.
+    # Program (e block, split): partial logits over columns split*D_SPLIT.. of D -> part[split, t, e], all N tokens;
+    # the block's last program to finish sums its N_SPLIT partials -> logits[t, e].
     # SPLIT_BF16 (GPU): each operand as hi + lo bf16 and three tensor-core dots with fp32 accumulation (lo x lo is
     # below fp32 rounding); for bf16 x and a bf16 checkpoint weight the lo parts are 0 and every product is exact,
     # so only the summation order differs from F.linear in fp32. Else (the interpreter, whose bf16 dot is wrong):
@@ -549,50 +607,62 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, count_ptr, bias_ptr, topk
         else:
             acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
     tile = offs_t[:, None] * E + offs_e[None, :]
-    tl.store(part_ptr + split * N * E + tile, acc, mask=t_mask[:, None] & e_mask)
-    if _last_to_arrive(count_ptr + 1 + tl.program_id(0), N_SPLIT):
+    mask = t_mask[:, None] & e_mask
+    tl.store(part_ptr + split * N * E + tile, acc, mask=mask)
+    if _last_to_arrive(count_ptr + tl.program_id(0), N_SPLIT):
         logits = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
         for s in tl.static_range(N_SPLIT):                                   # in split order: the same bits each run
-            logits += tl.load(part_ptr + s * N * E + tile, mask=t_mask[:, None] & e_mask, other=0.0,
-                              cache_modifier=".cg")
-        tl.store(logits_ptr + tile, logits, mask=t_mask[:, None] & e_mask)
-        if _last_to_arrive(count_ptr, tl.num_programs(0)):
-            _route(logits_ptr, bias_ptr, topk_w_ptr, ids_ptr, 0, N, N, E, K, K_POW2, NORM, SCALE, E_POW2, ROWS)
-            tl.debug_barrier()                                               # the ids stored above, to every thread
-            _sort_pairs(ids_ptr, pair_ids_ptr, slots_ptr, N * K, E, N_SLOTS, P_POW2, BINS, S_POW2)
+            logits += tl.load(part_ptr + s * N * E + tile, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(logits_ptr + tile, logits, mask=mask)
 
 
-_COUNTERS: dict = {}    # device -> int32 arrival counters (_last_to_arrive), zero between launches
+_COUNTERS: dict = {}    # device -> int32 arrival counters (_last_to_arrive), zero between launches: the router's
+ROUTER_MAX_BLOCKS = 1023  # expert blocks at [0, n_blocks), the route launch's at the last
 
 
-def _counters(device, n: int) -> torch.Tensor:
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        c = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return c
+def _counters(device) -> torch.Tensor:
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(ROUTER_MAX_BLOCKS + 1, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
-def _route_launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float):
+def _stream_counters(device) -> torch.Tensor:
+    """The skinny GEMM's counters: one set per stream (the shared experts' GEMMs run on a side stream, beside the
+    main stream's)"""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if torch.device(device).type == "cuda" else 0)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(SKINNY_MAX_BLOCKS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def _route_launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float, sort: bool):
+    """logits [N, E] fp32 -> (weights, ids); sort: ids.moe_pairs = the pairs sorted by expert (_moe_sort's output)"""
     N, E = logits.shape
     w = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
+    P = N * top_k
+    pair_ids, slots = _empty((P,), torch.int64, logits.device), _empty((min(E, P), 3), torch.int64, logits.device)
     if N:
-        _route_kernel[(triton.cdiv(N, ROUTE_ROWS),)](logits, bias, w, ids, N, E, K=top_k,
-                                                     K_POW2=triton.next_power_of_2(top_k), NORM=norm, SCALE=float(scale),
-                                                     E_POW2=triton.next_power_of_2(E), ROWS=ROUTE_ROWS)
+        _route_kernel[(N,)](logits, bias, w, ids, _counters(logits.device)[-1:], pair_ids, slots, N, E, slots.shape[0],
+                            K=top_k, K_POW2=triton.next_power_of_2(top_k), NORM=norm, SCALE=float(scale),
+                            E_POW2=triton.next_power_of_2(E), SORT=sort, P_POW2=triton.next_power_of_2(P),
+                            BINS=triton.next_power_of_2(E + 1), S_POW2=triton.next_power_of_2(max(slots.shape[0], 1)))
+    if sort:
+        ids.moe_pairs = (pair_ids, slots)
     return w, ids
 
 
 # group-limited routing (n_group > 1, DeepSeek-V3) stays with the reference: K2 / K2.6 use one group
 @register("router_topk", fits=lambda x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1: (
-    _glue(x) and n_group == 1 and x.dim() == 2 and weight.dtype == bias.dtype == torch.float32))
+    _glue(x) and n_group == 1 and x.dim() == 2 and weight.dtype == bias.dtype == torch.float32
+    and weight.shape[0] <= ROUTER_MAX_BLOCKS * ROUTER_BLOCKS["BLOCK_E"]))
 def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
-    """The returned ids carry `moe_pairs` = (pair_ids, slots), the pairs sorted by expert (_moe_sort's output), for
-    fused_moe_w4a16 (decode / verify)."""
+    """Decode / verify: the returned ids carry `moe_pairs` = (pair_ids, slots), the pairs sorted by expert
+    (_moe_sort's output), for fused_moe_w4a16."""
     (N, D), E = x.shape, weight.shape[0]
     x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
     if N > ROUTER_MAX_T or N == 0:
-        return _route_launch(F.linear(x.float(), weight), bias, top_k, norm, scale)
+        return _route_launch(F.linear(x.float(), weight), bias, top_k, norm, scale, sort=False)
     cfg = ROUTER_BLOCKS
     block_t = max(16, triton.next_power_of_2(N))                            # tl.dot's smallest tile is 16
     n_eb = triton.cdiv(E, cfg["BLOCK_E"])
@@ -601,18 +671,9 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
     n_split = triton.cdiv(D, d_split)                                       # no empty slice
     part = _empty((n_split, N, E), torch.float32, x.device)                 # [splits, N, E] partial logits
     logits = _empty((N, E), torch.float32, x.device)
-    w = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(N, top_k, dtype=torch.int64, device=x.device)
-    P = N * top_k
-    pair_ids, slots = _empty((P,), torch.int64, x.device), _empty((min(E, P), 3), torch.int64, x.device)
-    _router_kernel[(n_eb, n_split)](
-        x, weight, part, logits, _counters(x.device, 1 + n_eb), bias, w, ids, pair_ids, slots, N, E, D, d_split,
-        slots.shape[0], N_SPLIT=n_split, K=top_k, K_POW2=triton.next_power_of_2(top_k), NORM=norm,
-        SCALE=float(scale), E_POW2=triton.next_power_of_2(E), ROWS=ROUTE_ROWS, P_POW2=triton.next_power_of_2(P),
-        BINS=triton.next_power_of_2(E + 1), S_POW2=triton.next_power_of_2(slots.shape[0]), BLOCK_T=block_t,
-        SPLIT_BF16=not INTERPRETED, **cfg)
-    ids.moe_pairs = (pair_ids, slots)
-    return w, ids
+    _router_kernel[(n_eb, n_split)](x, weight, part, logits, _counters(x.device), N, E, D, d_split,
+                                    N_SPLIT=n_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED, **cfg)
+    return _route_launch(logits, bias, top_k, norm, scale, sort=N * top_k <= MOE_SORT_MAX_PAIRS)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1020,7 +1081,7 @@ def _sort_pairs(ids_ptr, pair_ids_ptr, slots_ptr, P, E, N_SLOTS, P_POW2: tl.cons
     # the pair order), per-expert counts by histogram (BINS > E: a bin E for the padding), and the slot table of the
     # used experts in id order.
     p = tl.arange(0, P_POW2)
-    ids = tl.load(ids_ptr + p, mask=p < P, other=E).to(tl.int32)      # padding pairs go to bin E, past the experts
+    ids = tl.load(ids_ptr + p, mask=p < P, other=E, cache_modifier=".cg").to(tl.int32)   # padding pairs: bin E
     key = tl.sort(ids * P_POW2 + p)
     tl.store(pair_ids_ptr + p, (key % P_POW2).to(tl.int64), mask=p < P)
     e = tl.arange(0, BINS)

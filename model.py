@@ -122,13 +122,21 @@ def check_tp_divisibility(args: ModelArgs, ws: int) -> None:
 # None: replicated) so the loader reads only this rank's slice.
 
 
-class Linear(nn.Module):
-    """y = x W^T; `shard_dim` says how tensor parallelism splits W: 0 column-parallel (output rows), 1 row-parallel
-    (input columns: the caller all-reduces the partial sums), None replicated. out_features {name: rows}: W stacks
-    these checkpoint tensors (projections of the same input: one GEMM), each split by TP on its own, so a rank's W
-    is its slice of each in turn; the loader fills them (weight.parts)."""
+@kernels.fast
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T -> [..., out]: every Linear's GEMM (decoding: a few rows)"""
+    return F.linear(x, weight)
 
-    def __init__(self, in_features: int, out_features: int | dict[str, int], shard_dim: int | None = None):
+
+class Linear(nn.Module):
+    """y = x W^T; `shard_dim` says how tensor parallelism splits W: 0 column-parallel (output rows),
+    1 row-parallel (input columns: the caller all-reduces the partial sums), None replicated.
+    out_features {name: rows}: W stacks these checkpoint tensors (projections of the same input: one
+    GEMM), each split by TP on its own, so a rank's W is its slice of each in turn; the loader fills
+    them (weight.parts)."""
+
+    def __init__(self, in_features: int, out_features: int | dict[str, int],
+                 shard_dim: int | None = None):
         super().__init__()
         parts = out_features if isinstance(out_features, dict) else None
         out_features = sum(parts.values()) if parts else out_features
@@ -139,7 +147,7 @@ class Linear(nn.Module):
         self.weight.parts = parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class ParallelEmbedding(nn.Module):
@@ -177,8 +185,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @kernels.fast
 def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:
-    """(x + r, rms_norm(x + r)): a residual add and the next norm. r (an MLP's output; an MoE's is fp32) is rounded
-    to x's dtype first: the residual stream's."""
+    """(x + r, rms_norm(x + r)): a residual add and the next norm. r (an MLP's output; an MoE's is
+    fp32) is rounded to x's dtype first: the residual stream's."""
     s = x + r.to(x.dtype)
     return s, rms_norm(s, weight, eps)
 
@@ -337,15 +345,19 @@ class MLA(nn.Module):
         self.n_heads = args.num_attention_heads // world_size          # local heads
         self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
         self.q_lora_rank, self.kv_lora_rank = args.q_lora_rank, args.kv_lora_rank
-        # q_a_proj and kv_a_proj_with_mqa read the same x: their weights stacked, one GEMM (replicated)
-        self.qkv_a_proj = Linear(args.hidden_size, {"q_a_proj": args.q_lora_rank,
-                                                    "kv_a_proj_with_mqa": args.kv_lora_rank + args.qk_rope_head_dim})
+        # q_a_proj and kv_a_proj_with_mqa read the same x: their weights stacked, one GEMM
+        # (replicated)
+        a_rows = {"q_a_proj": args.q_lora_rank,
+                  "kv_a_proj_with_mqa": args.kv_lora_rank + args.qk_rope_head_dim}
+        self.qkv_a_proj = Linear(args.hidden_size, a_rows)
         self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
-        self.q_b_proj = Linear(args.q_lora_rank, args.num_attention_heads * args.qk_head_dim, shard_dim=0)
+        q_b_rows = args.num_attention_heads * args.qk_head_dim
+        self.q_b_proj = Linear(args.q_lora_rank, q_b_rows, shard_dim=0)
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
         kv_b_rows = args.num_attention_heads * (args.qk_nope_head_dim + args.v_head_dim)
         self.kv_b_proj = Linear(args.kv_lora_rank, kv_b_rows, shard_dim=0)
-        self.o_proj = Linear(args.num_attention_heads * args.v_head_dim, args.hidden_size, shard_dim=1)
+        o_cols = args.num_attention_heads * args.v_head_dim
+        self.o_proj = Linear(o_cols, args.hidden_size, shard_dim=1)
         self.softmax_scale = args.qk_head_dim ** -0.5
         if args.rope_type == "yarn" and args.mscale_all_dim:
             # transformers: the YaRN mscale enters the softmax scale squared (q and k each carry one factor)
@@ -357,7 +369,7 @@ class MLA(nn.Module):
         the absorbed path also takes it packed, [B, T] int64 (tree_mask_bits).
         slots [B, T]: the new tokens' cache slots, start_pos + [0, T) (Transformer computes them once)."""
         B, T, _ = x.shape
-        qkv_a = self.qkv_a_proj(x)                                           # [B, T, q_lora + R + P]
+        qkv_a = self.qkv_a_proj(x)                                   # [B, T, q_lora + R + P]
         q_a, kv = qkv_a.split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], dim=-1)
         q = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, T, self.n_heads, -1)                # [B, T, H, nope+rope]
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
@@ -446,11 +458,12 @@ class MLP(nn.Module):
 
     def __init__(self, dim: int, inter: int):
         super().__init__()
-        self.gate_up_proj = Linear(dim, {"gate_proj": inter, "up_proj": inter}, shard_dim=0)   # one GEMM
+        # gate_proj and up_proj read the same x: their weights stacked, one GEMM
+        self.gate_up_proj = Linear(dim, {"gate_proj": inter, "up_proj": inter}, shard_dim=0)
         self.down_proj = Linear(inter, dim, shard_dim=1)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                        # [..., inter/ws] each
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)              # [..., inter/ws] each
         return self.down_proj(silu_mul(gate, up))
 
 
@@ -558,8 +571,8 @@ INT4_REF_GROUP_BYTES = 256 * 2**20    # int4_experts dequantizes at most this ma
 def int4_experts(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, out=None,
                  shared=None):
     """Routed experts from the INT4 layout: x [T, D], topk_ids / topk_weights [T, k] -> [T, D] fp32 =
-    Σ_k weight * SwiGLU expert_k(x) + shared(x) if given (the shared experts: x -> [T, D]; the fast path runs them
-    beside the routed ones). w13_packed [E, 2I, D/8]
+    Σ_k weight * SwiGLU expert_k(x) + shared(x) if given (the shared experts: x -> [T, D]; the fast
+    path runs them beside the routed ones). w13_packed [E, 2I, D/8]
     (gate rows then up rows), w2_packed [E, D, I/8], scales one per group. Only the used experts are dequantized,
     a group at a time (at K2.6 size: one expert at a time), so memory stays bounded."""
     used = topk_ids.unique()                                                            # [n] increasing ids
@@ -597,9 +610,10 @@ class Experts(nn.Module):
             self.w13 = nn.Parameter(torch.empty(E, 2 * inter, D))                              # [E, 2I/ws, D]
             self.w2 = nn.Parameter(torch.empty(E, D, inter))                                   # [E, D, I/ws]
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: nn.Module) -> torch.Tensor:
-        """x [N, D], weights/ids [N, k], shared: the shared experts -> Σ_k w_k expert_k(x) + shared(x), [N, D] fp32
-        (this rank's partial sum)."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                shared: nn.Module) -> torch.Tensor:
+        """x [N, D], weights/ids [N, k], shared: the shared experts -> [N, D] fp32, this rank's
+        partial sum of Σ_k w_k expert_k(x) + shared(x)."""
         if self.quant:
             return int4_experts(x, ids, weights, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale,
                                 self.quant.group_size, shared=shared)
@@ -614,11 +628,12 @@ class MoE(nn.Module):
         self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., D] -> routed + shared experts [..., D] in fp32 (the next residual add rounds it)"""
+        """x [..., D] -> routed + shared experts [..., D] in fp32 (the next residual add rounds
+        it)"""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         w, ids = self.gate(x)
-        y = self.experts(x, w, ids, shared=self.shared_experts)             # routed + shared experts, fp32
+        y = self.experts(x, w, ids, shared=self.shared_experts)       # routed + shared, fp32
         if world_size > 1:
             dist.all_reduce(y)                  # one all-reduce per MoE layer: routed + shared summed first
         return y.view(shape)
@@ -637,9 +652,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x, r, cos, sin, cache, start_pos, tree_mask, absorb, slots=None):
-        """x [B, T, D]: the residual stream; r: the previous layer's MLP output, not yet added to it (None in the
-        first layer). Returns (x, this layer's MLP output): the layer's output is x + r (residual), which the next
-        norm adds (one launch for the add and the norm at every residual)."""
+        """x [B, T, D]: the residual stream; r: the previous layer's MLP output, not yet added to it
+        (None in the first layer). Returns (x, this layer's MLP output): the layer's output is x + r
+        (residual), which the next norm adds (one launch for the add and the norm at every
+        residual)."""
         x, h = (x, self.input_layernorm(x)) if r is None else self.input_layernorm.add(x, r)
         attn = self.self_attn(h, cos, sin, cache, start_pos, tree_mask, absorb, slots)
         x, h = self.post_attention_layernorm.add(x, attn)                  # x + attn and its norm
@@ -718,7 +734,7 @@ class Transformer(nn.Module):
             tree_mask = tree_mask_bits(tree_mask)           # pack once per forward  [B, T] int64
         elif packed and not absorb:                         # the naive path wants the bool mask
             tree_mask = tree_mask_unpack(tree_mask)                                         # [B, T, T] bool
-        h, r = self.embed_tokens(tokens), None           # [B, T, D]; r: the last MLP output, not yet added to h
+        h, r = self.embed_tokens(tokens), None    # [B, T, D]; r: the last MLP output, not yet in h
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_attn_factor, positions, h.dtype)
         taps = []
         for i, layer in enumerate(self.layers):

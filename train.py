@@ -503,7 +503,7 @@ def drafter_train_forward(drafter: D.DFlashDrafter, embed, feats: torch.Tensor, 
     -> normalized block hidden states [B, A, bs, D], each equal to DFlashDrafter.forward at that anchor."""
     a = drafter.args
     B, T = tokens.shape
-    A, bs, H, hd = anchors.shape[1], a.block_size, a.num_attention_heads, a.head_dim
+    A, bs, hd = anchors.shape[1], a.block_size, a.head_dim
     N = A * bs                                                                       # block rows per sequence
     block = torch.full((B, A, bs), a.mask_token_id, dtype=torch.long, device=tokens.device)
     block[:, :, 0] = tokens.gather(1, anchors)                                      # slot 0: the real token

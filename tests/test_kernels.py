@@ -163,7 +163,7 @@ def test_glue_kernels_stay_out_of_autograd_and_compile(monkeypatch):
 
 def fits_cases():
     """(name, args that fit, the same with one thing the kernel cannot take), small CPU tensors."""
-    f32, i64 = torch.float32, torch.int64
+    f32, f16, i64 = torch.float32, torch.float16, torch.int64
     r = lambda *s, dtype=f32: torch.zeros(*s, dtype=dtype)
     tree = T.Tree(*T.ddtree_search.ref(r(1, 3, 4), r(1, 3, 4, dtype=i64), r(1, dtype=i64), 4))
     attn = lambda T_, R: (r(1, T_, 2, R), r(1, T_, 2, 16), r(1, 80, R + 16), r(1, dtype=i64), r(1, T_, dtype=i64), 0.1)
@@ -172,6 +172,7 @@ def fits_cases():
     qkv = lambda hd: (r(1, 3, 4 * hd), 2, 1, r(hd), r(hd), 1e-6, r(1, 3, hd), r(1, 3, hd), r(1, 8, 1, hd),
                       r(1, 8, 1, hd), r(1, 3, dtype=i64), 1)
     return [
+        ("linear", (r(2, 3, 16, dtype=f16), r(8, 16, dtype=f16)), (r(65, 16, dtype=f16), r(8, 16, dtype=f16))),
         ("rms_norm", (r(2, 16), r(16), 1e-6), (r(2, 16), r(8), 1e-6)),
         ("add_rms_norm", (r(2, 16), r(2, 16), r(16), 1e-6), (r(2, 16), r(2, 16, dtype=torch.float16), r(16), 1e-6)),
         ("rope", (r(1, 2, 3, 16), r(1, 2, 16), r(1, 2, 16)), (r(1, 2, 3, 12), r(1, 2, 12), r(1, 2, 12))),
@@ -507,6 +508,26 @@ def test_rope_kernel(layout, interleaved, dtype, monkeypatch):
     # so the bound is relative to the largest value, as assert_close's)
     ulp = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
     assert_close(y, M.rope.ref(x, cos, sin, interleaved), 4 * ulp, f"rope {layout} {interleaved} {dtype}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [d for d in KERNEL_DTYPES if KERNEL_DEVICE == "cpu" or d != torch.float32], ids=str)
+@pytest.mark.parametrize("M_, N, K", [(1, 96, 256), (9, 200, 384), (16, 64, 1000), (33, 128, 512), (64, 40, 7168)])
+def test_linear_kernel(M_, N, K, dtype, monkeypatch):
+    """Skinny GEMM == F.linear to rounding: N and K tails masked, 16- and 64-row tiles, K split over programs and summed
+    by the last to finish (poisoned partials); up to 16 rows, a row's result does not depend on the rows beside it; a
+    row-strided x (a slice of a wider GEMM's output) read in place."""
+    monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
+    g = torch.Generator().manual_seed(M_ * N + K)
+    x = torch.randn(M_, K, generator=g).to(dtype).to(KERNEL_DEVICE)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype).to(KERNEL_DEVICE)
+    assert kernels._skinny_split(N, K, KERNEL_DEVICE) > 1 or K <= kernels.SKINNY["BLOCK_K"]
+    y = launch("linear", x, w)
+    assert_close(y, M.linear.ref(x, w), TOL[dtype], f"linear {M_}x{N}x{K} {dtype}")
+    if M_ <= 16:                                        # one 16-row tile for all of them
+        assert torch.equal(launch("linear", x[:1], w), y[:1]), "a row's result depends on the rows beside it"
+    wide = torch.cat([x, torch.randn(M_, 8, generator=g).to(dtype).to(KERNEL_DEVICE)], dim=1)[:, :K]
+    assert torch.equal(launch("linear", wide, w), y)
 
 
 @needs_kernels

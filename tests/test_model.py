@@ -129,7 +129,7 @@ def test_hidden_layers_are_layer_outputs():
 
 # The ops with a fast path, as the switch in kernels.py knows them: name -> the reference's parameters
 CONTRACT = {
-    "rms_norm": "x weight eps", "add_rms_norm": "x r weight eps", "rope": "x cos sin interleaved",
+    "linear": "x weight", "rms_norm": "x weight eps", "add_rms_norm": "x r weight eps", "rope": "x cos sin interleaved",
     "silu_mul": "g u", "mla_latent_to_cache": "kv weight eps cos sin cache slots",
     "mla_tree_attention": "q_lat q_pe cache prefix_len tree_mask softmax_scale out",
     "router_topk": "x weight bias top_k norm scale n_group topk_group",
