@@ -345,8 +345,7 @@ class MLA(nn.Module):
         self.n_heads = args.num_attention_heads // world_size          # local heads
         self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
         self.q_lora_rank, self.kv_lora_rank = args.q_lora_rank, args.kv_lora_rank
-        # q_a_proj and kv_a_proj_with_mqa read the same x: their weights stacked, one GEMM
-        # (replicated)
+        # q_a_proj and kv_a_proj_with_mqa read the same x: one replicated stacked weight, one GEMM
         a_rows = {"q_a_proj": args.q_lora_rank,
                   "kv_a_proj_with_mqa": args.kv_lora_rank + args.qk_rope_head_dim}
         self.qkv_a_proj = Linear(args.hidden_size, a_rows)
@@ -628,8 +627,7 @@ class MoE(nn.Module):
         self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., D] -> routed + shared experts [..., D] in fp32 (the next residual add rounds
-        it)"""
+        """x [..., D] -> routed + shared experts [..., D], fp32 (the next residual add rounds it)"""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         w, ids = self.gate(x)
