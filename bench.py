@@ -767,16 +767,19 @@ def step_inputs(args: M.ModelArgs, T: int, ctx: int, tree: str, device, dtype, s
     inv_freq, attn_factor = M.rope_inv_freq(args)
     cos, sin = M.rope_cos_sin(inv_freq, attn_factor, positions, dtype)
     x = torch.randn(1, T, args.hidden_size, generator=g).to(device, dtype)               # [1, T, D]
+    r = torch.randn(1, T, args.hidden_size, generator=g).to(device) * 0.1                # the last MoE output, fp32
     # what Transformer.forward computes once for all 61 layers, so not part of one layer's step: the start as a
     # tensor (a captured decode step's), the new tokens' cache slots and the mask rows packed into int64 words
     start = torch.tensor([ctx], device=device)                                           # [1]
-    return dict(x=x, cos=cos, sin=sin, mask=mask[None].to(device), positions=positions, start=start,
+    return dict(x=x, r=r, cos=cos, sin=sin, mask=mask[None].to(device), positions=positions, start=start,
                 slots=M._slots(start, 1, T, device), bits=M.tree_mask_bits(mask[None].to(device)))
 
 
-def layer_step(block: M.Block, s: dict, cache: torch.Tensor):
-    """One layer's decode / verify step as Transformer.forward runs it (absorbed MLA, per-forward inputs given)."""
-    return lambda: block(s["x"], s["cos"], s["sin"], cache, s["start"], s["bits"], True, s["slots"])
+def layer_step(block: M.Block, s: dict, cache: torch.Tensor, r: bool = True):
+    """One layer's decode / verify step as Transformer.forward runs it (absorbed MLA, per-forward inputs given): the
+    previous layer's MLP output s["r"] added first (r=False: none, the input is s["x"] alone). Returns (x, MLP out)."""
+    return lambda: block(s["x"], s["r"] if r else None, s["cos"], s["sin"], cache, s["start"], s["bits"], True,
+                         s["slots"])
 
 
 def routed_ids(block: M.Block, step) -> torch.Tensor | None:
@@ -1197,7 +1200,7 @@ def hf_config(text_cfg: dict, tp: int, experts_impl: str):
 def copy_block_to_hf(block: M.Block, layer) -> None:
     """Our block's weights into a DeepseekV3DecoderLayer: same names, except the routed experts, which are
     dequantized expert by expert into transformers' fused gate_up_proj [E, 2I, D] and down_proj [E, D, I]."""
-    sd = {k: v for k, v in block.state_dict().items() if ".experts." not in k}
+    sd = {k: v for k, v in C.checkpoint_tensors(block).items() if ".experts." not in k}
     missing, unexpected = layer.load_state_dict(sd, strict=False)
     assert not unexpected and all(".experts." in k for k in missing), (missing, unexpected)
     if not isinstance(block.mlp, M.MoE):
@@ -1257,7 +1260,8 @@ def peer_rows(block, args, hlayer, hc, kind: str, a, device, dtype) -> list[dict
                            position_embeddings=pos_emb)
                 past.crop(-T)           # back to ctx cached tokens: every call is the same step
                 return y
-            ours = layer_step(block, s, cache)
+            step = layer_step(block, s, cache, r=False)
+            ours = lambda: M.residual(*step())          # the layer's output, as transformers' layer returns it
             err = rel_err(ours(), theirs())
             t_ours, t_graph, _ = time_step(ours, device, a.graph)
             t_peer = median_time(theirs, device)

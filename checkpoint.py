@@ -408,6 +408,41 @@ def rank_slice(sl, full_shape, dim: int | None, ws: int, r: int) -> torch.Tensor
     return sl[tuple(idx)]
 
 
+def packed_parts(name: str, p: torch.Tensor) -> list[tuple[str, slice]]:
+    """The checkpoint tensors parameter `name` holds, [(checkpoint name, the rows of p that hold this rank's slice
+    of it)]: one per part of a stacked model.Linear (weight.parts, in order, each split by TP on its own), else
+    [(name, all rows)]."""
+    parts = getattr(p, "parts", None)
+    if not parts:
+        return [(name, slice(None))]
+    module, leaf = name.rsplit(".", 1)
+    parent = module.rpartition(".")[0]
+    ws = sum(parts.values()) // p.shape[0]           # the TP size p was built at (1 if its rows are not split)
+    out, row = [], 0
+    for part, rows in parts.items():
+        out.append((f"{parent}.{part}.{leaf}".lstrip("."), slice(row, row + rows // ws)))
+        row += rows // ws
+    return out
+
+
+def checkpoint_slots(module: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int | None]]:
+    """checkpoint tensor name -> (where this rank's slice of it goes: a parameter or a row block of a stacked one,
+    the dim TP splits it on), for every parameter of module"""
+    return {key: (p[rows], getattr(p, "shard_dim", None))
+            for name, p in module.named_parameters() for key, rows in packed_parts(name, p)}
+
+
+def checkpoint_tensors(module: torch.nn.Module, state: dict | None = None) -> dict[str, torch.Tensor]:
+    """state (default: module's parameters) with each stacked parameter of module split into the checkpoint tensors
+    it holds, under their names (world size 1: the writers' inverse of loading); other entries pass unchanged."""
+    state = dict(module.named_parameters() if state is None else state)
+    for name, p in module.named_parameters():
+        if getattr(p, "parts", None) and name in state:
+            t = state.pop(name)
+            state.update((key, t[rows]) for key, rows in packed_parts(name, p))
+    return state
+
+
 def _check_dtype(name, fname, sl, want: torch.dtype) -> torch.dtype:
     """The tensor's dtype, checked: exactly want, or any float for a float (an unknown one, e.g. F8_E4M3, by
     safetensors' name)."""
@@ -495,8 +530,8 @@ def load_checkpoint(model: M.Transformer, ckpt_dir: str, progress: bool = False,
     Returns stats (bytes read by this rank, seconds, peak host RSS)."""
     files = shard_files(ckpt_dir)
     params = dict(model.named_parameters())
-    expected = {k for k, p in params.items() if not (model.args.tie_word_embeddings and k == "lm_head.weight")}
-    expected = {k for k in expected if ".experts." not in k}
+    slots = {k: s for k, s in checkpoint_slots(model).items() if ".experts." not in k}   # name -> (dest, shard dim)
+    expected = {k for k in slots if not (model.args.tie_word_embeddings and k == "lm_head.weight")}
     loaded: set[str] = set()
     expert_needed = _expected_expert_tensors(model)
     expert_loaded: set[str] = set()
@@ -524,7 +559,7 @@ def load_checkpoint(model: M.Transformer, ckpt_dir: str, progress: bool = False,
                 if m:
                     dest = _load_expert(model, m, sl, shape, name, fname, expert_loaded, read)
                 else:
-                    dest = _load_param(params, loaded, key, sl, shape, name, fname, read)
+                    dest = _load_param(slots, loaded, key, sl, shape, name, fname, read)
                 if dest is None:
                     continue
                 nbytes += dest.numel() * DTYPES[sl.get_dtype()].itemsize    # this rank's slice, as stored
@@ -558,24 +593,24 @@ def _check_finite(params: list[torch.Tensor], written: list) -> None:
         raise CheckpointError(f"tensor {name} in {fname} holds NaN or inf")
 
 
-def _load_param(params, loaded: set, key, sl, shape, name, fname, read: bool = True) -> torch.Tensor:
-    """A non-expert tensor: checked against its parameter, this rank's slice copied in. Returns the parameter."""
-    if key not in params:
+def _load_param(slots, loaded: set, key, sl, shape, name, fname, read: bool = True) -> torch.Tensor:
+    """A non-expert tensor: checked against its slot (checkpoint_slots), this rank's slice copied in. Returns the
+    slot."""
+    if key not in slots:
         raise CheckpointError(f"unexpected tensor {name} in {fname} (no such parameter)")
-    p = params[key]
+    dest, sd = slots[key]
     if key in loaded:
         raise CheckpointError(f"tensor {name} appears twice (again in {fname})")
-    _check_dtype(name, fname, sl, p.dtype)
-    sd = getattr(p, "shard_dim", None)
-    full = list(p.shape)
+    _check_dtype(name, fname, sl, dest.dtype)
+    full = list(dest.shape)
     if sd is not None:
         full[sd] *= M.world_size
     if shape != tuple(full):
         raise CheckpointError(f"tensor {name} in {fname} has shape {list(shape)}, expected {full}")
     if read:
-        p.copy_(rank_slice(sl, shape, sd, M.world_size, M.rank))
+        dest.copy_(rank_slice(sl, shape, sd, M.world_size, M.rank))
     loaded.add(key)
-    return p
+    return dest
 
 
 def _expected_expert_tensors(model: M.Transformer) -> set[str]:
@@ -756,7 +791,7 @@ def hf_state_dict(model: M.Transformer, int4: bool = False) -> dict[str, torch.T
     back word for word). Inverse of load_checkpoint; used by export and tests."""
     assert M.world_size == 1, "hf_state_dict is for a single-rank model"
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in checkpoint_tensors(model).items():
         if ".experts." in name:
             continue
         out[("lm_head.weight" if name == "lm_head.weight" else "model." + name)] = p.detach()
@@ -891,7 +926,7 @@ def randomize_(module: torch.nn.Module, seed: int = 0, prefix: str = "") -> None
     random words (every nibble equally likely) with scales around 1 / sqrt(21.5 in_features), every other weight
     uniform with variance 1 / in_features (activations keep their scale through the 61 layers).
 
-    Each element is a function of (seed, prefix + parameter name, its index in the full, unsharded tensor), a
+    Each element is a function of (seed, prefix + checkpoint tensor name, its index in the full, unsharded tensor), a
     32-bit hash, never of a generator's position: a rank fills only its own slice (module built at model.world_size
     and model.rank), and every TP size holds the same model (TP=N logits == TP=1 logits)."""
     params = dict(module.named_parameters())
@@ -902,25 +937,28 @@ def randomize_(module: torch.nn.Module, seed: int = 0, prefix: str = "") -> None
         if name.endswith("bias"):
             p.zero_()
             continue
-        view, full, sd = _sharding(name, p)
-        key = zlib.crc32(f"{seed}:{prefix}{name}".encode())
-        if p.dtype == torch.int32:                       # packed INT4 words, as signed int32
-            value = lambda h: torch.where(h >= 2**31, h - 2**32, h)
-        elif name.endswith("_scale"):
-            n_in = _sharding(name[:-len("scale")] + "packed", params[name[:-len("scale")] + "packed"])[1][-1] * 8
-            s = (_INT4_SQUARE * n_in) ** -0.5
-            value = lambda h, s=s: _uniform(h, 0.5 * s, 1.5 * s)
-        else:
-            a = 3 ** 0.5 * full[-1] ** -0.5               # uniform on [-a, a]: variance 1 / in_features
-            value = lambda h, a=a: _uniform(h, -a, a)
-        for rows, h in _element_hashes(view, full, sd, key):
-            view[rows].copy_(value(h))
+        for part, block in packed_parts(name, p):        # a stacked Linear: each checkpoint tensor on its own
+            view, full, sd = _sharding(part, p[block], getattr(p, "shard_dim", None))
+            key = zlib.crc32(f"{seed}:{prefix}{part}".encode())
+            if p.dtype == torch.int32:                       # packed INT4 words, as signed int32
+                value = lambda h: torch.where(h >= 2**31, h - 2**32, h)
+            elif name.endswith("_scale"):
+                packed = params[name[:-len("scale")] + "packed"]
+                n_in = _sharding(name, packed, None)[1][-1] * 8
+                s = (_INT4_SQUARE * n_in) ** -0.5
+                value = lambda h, s=s: _uniform(h, 0.5 * s, 1.5 * s)
+            else:
+                a = 3 ** 0.5 * full[-1] ** -0.5               # uniform on [-a, a]: variance 1 / in_features
+                value = lambda h, a=a: _uniform(h, -a, a)
+            for rows, h in _element_hashes(view, full, sd, key):
+                view[rows].copy_(value(h))
 
 
-def _sharding(name: str, p: torch.Tensor) -> tuple[torch.Tensor, tuple, int | None]:
+def _sharding(name: str, p: torch.Tensor, sd: int | None) -> tuple[torch.Tensor, tuple, int | None]:
     """(a view of p, the full shape, the split dim): p as this rank's slice of one unsharded tensor, the one the
-    checkpoint stores. The stacked experts' w13* hold each expert's gate rows then up rows, each split by rows:
-    [E, 2n, X] is viewed as [E, 2, n, X] and split on dim 2; w2* [E, D, X] are split by columns."""
+    checkpoint stores (sd: the dim TP splits it on). The stacked experts' w13* hold each expert's gate rows then up
+    rows, each split by rows: [E, 2n, X] is viewed as [E, 2, n, X] and split on dim 2; w2* [E, D, X] are split by
+    columns."""
     leaf = name.rsplit(".", 1)[-1]
     if leaf in ("w13", "w13_packed", "w13_scale"):
         E, n2, X = p.shape
@@ -928,7 +966,6 @@ def _sharding(name: str, p: torch.Tensor) -> tuple[torch.Tensor, tuple, int | No
     if leaf in ("w2", "w2_packed", "w2_scale"):
         E, D, X = p.shape
         return p, (E, D, X * M.world_size), 2
-    sd = getattr(p, "shard_dim", None)
     full = list(p.shape)
     if sd is not None:
         full[sd] *= M.world_size

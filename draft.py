@@ -101,47 +101,52 @@ class DraftArgs:
 
 
 class Linear(M.Linear):
-    """model.Linear (shard_dim 0: column-parallel, 1: row-parallel, None: replicated) plus Qwen3's optional
-    bias. A column-parallel bias is split with the output rows. A row-parallel bias is replicated but only
+    """model.Linear (shard_dim 0: column-parallel, 1: row-parallel, None: replicated; out_features
+    may stack several checkpoint tensors) plus Qwen3's optional bias, stacked like the weight. A
+    column-parallel bias is split with the output rows. A row-parallel bias is replicated but only
     rank 0 adds it, so the caller's all-reduce counts it once."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, shard_dim: int | None = None):
+    def __init__(self, in_features: int, out_features: int | dict[str, int], bias: bool = False,
+                 shard_dim: int | None = None):
         super().__init__(in_features, out_features, shard_dim)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.weight.shape[0]))
             self.bias.shard_dim = 0 if shard_dim == 0 else None
+            self.bias.parts = self.weight.parts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """x W^T + b, or only the output rows `rows` (some of the tensors a stacked weight holds)"""
         # row-parallel: the caller all-reduces the ranks' partial sums, so only rank 0 adds the bias
         bias = None if self.weight.shard_dim == 1 and M.rank != 0 else self.bias
-        return F.linear(x, self.weight, bias)
+        if bias is None:
+            return M.linear(x, self.weight[rows])
+        return F.linear(x, self.weight[rows], bias[rows])
 
 
-class Attention(M.SharesRows):
+class Attention(nn.Module):
     """Column-parallel by heads: rank r holds q heads [r*H/ws, (r+1)*H/ws) and kv heads [r*KV/ws, ...), the
     kv heads those q heads share (GQA groups are contiguous), so attention needs no communication; o_proj
     is row-parallel and one all_reduce sums the heads' partial outputs."""
-    ROW_GROUPS = {"qkv_weight": ("q_proj", "k_proj", "v_proj")}      # context and block rows: one GEMM
 
     def __init__(self, a: DraftArgs):
         super().__init__()
         H, KV, self.hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.n_heads, self.n_kv = H // M.world_size, KV // M.world_size                   # local heads
         D, b = a.hidden_size, a.attention_bias
-        self.q_proj = Linear(D, H * self.hd, b, shard_dim=0)
-        self.k_proj = Linear(D, KV * self.hd, b, shard_dim=0)
-        self.v_proj = Linear(D, KV * self.hd, b, shard_dim=0)
+        # q, k and v of the context and block rows: the three weights stacked, one GEMM
+        rows = {"q_proj": H * self.hd, "k_proj": KV * self.hd, "v_proj": KV * self.hd}
+        self.qkv_proj = Linear(D, rows, b, shard_dim=0)
         self.o_proj = Linear(H * self.hd, D, b, shard_dim=1)
         self.q_norm = RMSNorm(self.hd, a.rms_norm_eps)     # per head, before rope (Qwen3)
         self.k_norm = RMSNorm(self.hd, a.rms_norm_eps)
-        self.share()                             # qkv_weight [(H + 2 KV) hd / ws, D], qkv_bias (or None)
 
     def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> roped K, V [B, T, n_kv, hd] of context rows alone (append_context)."""
         B, T, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd))            # [B, T, KV, hd]
-        return M.rope(k, cos, sin, interleaved=False), self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        kv = self.qkv_proj(x, rows=slice(self.n_heads * self.hd, None))            # [B, T, 2KV hd]
+        k, v = kv.view(B, T, 2 * self.n_kv, self.hd).chunk(2, dim=2)            # [B, T, KV, hd] each
+        return M.rope(self.k_norm(k), cos, sin, interleaved=False), v
 
     def forward(self, x, f, cos, sin, mask=None, cache: BlockCache | None = None) -> torch.Tensor:
         """x [B, N, D]: the block's rows (input_layernorm'ed); f [B, n, D]: context rows (fused
@@ -154,8 +159,7 @@ class Attention(M.SharesRows):
           prefix + N slots (qkv_norm_rope and block_attention, one kernel each on a GPU)."""
         B, n = x.shape[0], f.shape[1]
         x = torch.cat([f, x], 1)                                                # [B, n + N, D]
-        qkv = M.linear_rows(x, self.qkv_weight, self.q_proj, self.k_proj, self.v_proj, split=False,
-                            bias=self.qkv_bias)                             # [B, n+N, (H+2KV) hd]
+        qkv = self.qkv_proj(x)                                                  # [B, n+N, (H+2KV) hd]
         if cache is None:
             o = self._plain_attention(qkv, cos, sin, mask, n)                   # [B, N, H, hd]
         else:
@@ -558,8 +562,9 @@ def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
     check_layer_count(args, path)
     # allocated in the final dtype (no fp32 copy of a 3.5B model); the constructor checks the TP divisibility first
     drafter = C.build(lambda: DFlashDrafter(args), device or "cpu", dtype or torch.get_default_dtype())
-    params, loaded = dict(drafter.named_parameters()), set()
-    written = []    # (name, file, parameter): names a non-finite tensor
+    # checkpoint name -> (where its slice goes: a parameter or a stacked one's rows, its shard_dim)
+    params, loaded = C.checkpoint_slots(drafter), set()
+    written = []    # (name, file, where it went): names a non-finite tensor
     for fname, names in sorted(C.shard_files(path).items()):
         with C.open_shard(path, fname) as f:
             for name in names if names is not None else list(f.keys()):
@@ -568,37 +573,46 @@ def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
                     raise CheckpointError(f"unexpected tensor {name} in {fname} (no such drafter parameter)")
                 if key in loaded:
                     raise CheckpointError(f"tensor {name} appears twice (again in {fname})")
-                _load_slice(f.get_slice(name), params[key], key, name, fname, args)
+                _load_slice(f.get_slice(name), *params[key], key, name, fname, args)
                 loaded.add(key)
-                written.append((name, fname, params[key]))
+                written.append((name, fname, params[key][0]))
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{path}: missing drafter tensors {missing[:5]}"
                               + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""))
-    C._check_finite(list(params.values()), written)    # as the target's: one sync, then the culprit
+    C._check_finite(list(drafter.parameters()), written)   # as the target's: one sync, then the culprit
     return drafter.eval()
 
 
-def _load_slice(sl, p: nn.Parameter, key: str, name: str, fname: str, args: DraftArgs) -> None:
-    """Check one checkpoint tensor's dtype and full (unsharded) shape, then copy this rank's slice into p."""
+def _load_slice(sl, dest: torch.Tensor, sd: int | None, key: str, name: str, fname: str,
+                args: DraftArgs) -> None:
+    """Check one checkpoint tensor's dtype and full (unsharded) shape, then copy this rank's slice
+    into dest."""
     dtype = C.DTYPES.get(sl.get_dtype())
     if dtype is None or not dtype.is_floating_point:
         raise CheckpointError(f"tensor {name} in {fname} has dtype {dtype or sl.get_dtype()}, expected a float")
-    shape, sd = tuple(sl.get_shape()), getattr(p, "shard_dim", None)
-    full = list(p.shape)
+    shape = tuple(sl.get_shape())
+    full = list(dest.shape)
     if sd is not None:
         full[sd] *= M.world_size
     if shape != tuple(full):
         why = (f" ({len(args.target_layer_ids)} target_layer_ids x hidden_size {args.hidden_size} "
                f"input columns)") if key == "fc.weight" else ""
         raise CheckpointError(f"tensor {name} in {fname} has shape {list(shape)}, expected {full}{why}")
-    p.copy_(C.rank_slice(sl, shape, sd, M.world_size, M.rank))
+    dest.copy_(C.rank_slice(sl, shape, sd, M.world_size, M.rank))
 
 
 def write_drafter(path: str, drafter_or_state, config: dict, n_shards: int = 1) -> None:
-    """Write config.json + model.safetensors (or n_shards shards + index) in the public DFlash layout."""
+    """Write config.json + model.safetensors (or n_shards shards + index) in the public DFlash
+    layout: a drafter (world size 1), or a state dict under checkpoint names or the drafter's own
+    (stacked tensors are split)."""
     from safetensors.torch import save_file
-    state = drafter_or_state.state_dict() if isinstance(drafter_or_state, nn.Module) else drafter_or_state
+    if isinstance(drafter_or_state, nn.Module):
+        state = C.checkpoint_tensors(drafter_or_state)
+    else:      # the stacked parameters of a drafter of this config, split into their tensors
+        with torch.device("meta"):
+            layout = DFlashDrafter(DraftArgs.from_config(config))
+        state = C.checkpoint_tensors(layout, drafter_or_state)
     state = {k: v.detach().contiguous() for k, v in state.items()}
     if n_shards > 1:
         C.save_checkpoint(state, config, path, n_shards=n_shards, vision=False, prefix="")

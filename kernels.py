@@ -2,8 +2,8 @@
 Triton fast paths of nano-ddtree: each kernel computes what a plain PyTorch function of a stage file computes (its
 reference), in fewer launches or fewer bytes.
 
-    model.py   rms_norm, add_rms_norm, rope, silu_mul, mla_latent_to_cache, mla_tree_attention, router_topk,
-               int4_experts (launcher: fused_moe_w4a16)
+    model.py   linear, rms_norm, add_rms_norm, rope, silu_mul, mla_latent_to_cache, mla_tree_attention,
+               router_topk, int4_experts (launcher: fused_moe_w4a16)
     draft.py   qkv_norm_rope, block_attention;   tree.py  rank_topk, ddtree_search;   verify.py  accept, commit_kv
 
 The one switch: a stage file marks its reference `@kernels.fast`; this file registers a launcher under the same name
@@ -174,22 +174,23 @@ def rms_norm(x, weight, eps):
     return out
 
 
-# add_rms_norm: (s, y) = (x + r, rms_norm(x + r)), the residual add and the next norm. Grid: one program per row.
-# One read of x and r. Reference: model.add_rms_norm.
+# add_rms_norm: (s, y) = (x + r, rms_norm(x + r)), the residual add and the next norm (r: an MLP's output, an MoE's
+# in fp32, rounded to x's dtype first). Grid: one program per row. One read of x and r. Reference: model.add_rms_norm.
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, N, EPS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
-    s = (x.to(tl.float32) + tl.load(r_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)  # rounded
+    r = tl.load(r_ptr + row * N + cols, mask=mask, other=0.0).to(x.dtype)                 # an fp32 r rounded first
+    s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)                                  # rounded
     tl.store(s_ptr + row * N + cols, s, mask=mask)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     tl.store(y_ptr + row * N + cols, _scale(w, _normalize(s, N, EPS), y_ptr.dtype.element_ty), mask=mask)
 
 
-@register("add_rms_norm", fits=lambda x, r, weight, eps: (_glue(x) and r.shape == x.shape and r.dtype == x.dtype
-                                                            and weight.shape == x.shape[-1:]))
+@register("add_rms_norm", fits=lambda x, r, weight, eps: (_glue(x) and r.shape == x.shape and r.dtype in (
+    x.dtype, torch.float32) and weight.shape == x.shape[-1:]))
 def add_rms_norm(x, r, weight, eps):
     N = x.shape[-1]
     x, r = x.contiguous(), r.contiguous()
@@ -288,11 +289,79 @@ def _mla_latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, slots_ptr, cache_ptr, T,
     and kv.dtype == weight.dtype == cache.dtype == cos.dtype == sin.dtype and cache.stride(-1) == 1))
 def mla_latent_to_cache(kv, weight, eps, cos, sin, cache, slots):
     (B, T, C), R = kv.shape, weight.shape[0]
-    rows = kv.reshape(B * T, C)        # a view for kv contiguous or a last-dim slice of one (model.linear_rows)
+    rows = kv.reshape(B * T, C)        # a view for kv contiguous or a last-dim slice of one (MLA's q_a | kv_a GEMM)
     if B * T:
         _mla_latent_kernel[(B * T,)](rows, weight.contiguous(), cos.contiguous(), sin.contiguous(), slots.contiguous(),
                                      cache, T, rows.stride(0), cache.stride(0), cache.stride(1), R=R, P=C - R,
                                      EPS=float(eps), num_warps=_row_warps(R))
+
+
+# The projections of a decode / verify step (model.linear: every Linear): y = x W^T for M <= SKINNY_MAX_M rows, W
+# [N, K] streamed once. cuBLAS runs a split-K GEMM and a separate reduce at these shapes; here program (n block,
+# split) multiplies its [BLOCK_N, K / SPLIT] slice of W by all M rows (one tl.dot tile of BLOCK_M rows), and the last
+# split of an n block to finish sums the splits in order (the same bits every run; for a row, whatever the other
+# rows of its tile). One launch.
+
+SKINNY_MAX_M = 64
+SKINNY = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, max_split=8, waves=2)
+SKINNY_MAX_BLOCKS = 4096      # n blocks with a counter each
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, part_ptr, y_ptr, count_ptr, M, N, K, K_SPLIT, stride_x, SPLIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_x + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :], mask=n_mask[:, None] & (k < K)[None, :],
+                    other=0.0)
+        if IEEE:      # fp32 (the interpreter's tests): not tf32
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)                                               # [BLOCK_M, BLOCK_N]
+    tile = offs_m[:, None] * N + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT == 1:
+        tl.store(y_ptr + tile, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + split * M * N + tile, acc, mask=mask)
+        if _last_to_arrive(count_ptr + pid_n, SPLIT):
+            y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):                                 # in split order: the same bits each run
+                y += tl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + tile, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _skinny_split(N: int, K: int, device) -> int:
+    # slices of K for ~`waves` waves of programs, each at least one BLOCK_K tile; depends on the shapes of W alone
+    n_blocks, tiles = triton.cdiv(N, SKINNY["BLOCK_N"]), triton.cdiv(K, SKINNY["BLOCK_K"])
+    return max(1, min(SKINNY["max_split"], tiles, triton.cdiv(int(SKINNY["waves"] * _sm_count(device)), n_blocks)))
+
+
+# 16-bit only: in fp32 (the exactness tests' dtype) cuBLAS's F.linear in every loop, eager or compiled
+@register("linear", fits=lambda x, weight: (
+    _glue(x) and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+    and x.stride(-1) == 1 and weight.is_contiguous() and 0 < x.numel() // max(x.shape[-1], 1) <= SKINNY_MAX_M
+    and triton.cdiv(weight.shape[0], SKINNY["BLOCK_N"]) <= SKINNY_MAX_BLOCKS))
+def linear(x, weight):
+    (N, K), M = weight.shape, x.numel() // x.shape[-1]
+    x2 = x.reshape(M, K)                        # a view for contiguous x and row-strided x
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    split = _skinny_split(N, K, x.device)
+    k_split = triton.cdiv(triton.cdiv(K, split), SKINNY["BLOCK_K"]) * SKINNY["BLOCK_K"]
+    split = triton.cdiv(K, k_split)                                     # no empty slice
+    part = _empty((split, M, N), torch.float32, x.device) if split > 1 else y
+    cfg = {k: SKINNY[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
+    _skinny_kernel[(triton.cdiv(N, SKINNY["BLOCK_N"]), split)](
+        x2, weight, part, y, _stream_counters(x.device), M, N, K, k_split, x2.stride(0), SPLIT=split,
+        BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32, **cfg)
+    return y
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -455,9 +524,11 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale,
 # 3. The noaux_tc router (model.py): logits = x @ weight^T in fp32, sigmoid scores, top-k of score + bias, weights =
 # the chosen scores renormalized and scaled. Reference: model.router_topk. Two launches for T <= ROUTER_MAX_T: the
 # matmul in programs of BLOCK_E experts x one slice of D (the fp32 weight streamed once; cuBLAS's fp32 GEMM at a few
-# rows is slower), then one program per token sums the slices in a fixed order and routes.
+# rows is slower), where the last slice of an expert block to finish sums the block's slices in a fixed order (the
+# same bits every run); then one program per token routes it, and the last of them to finish sorts the (token, k)
+# pairs by expert for the routed experts (_sort_pairs), which fused_moe_w4a16 reads instead of sorting them again.
 
-ROUTER_MAX_T = 64       # more tokens (prefill): F.linear, where cuBLAS's tiles are full
+ROUTER_MAX_T = 64       # more tokens (prefill): F.linear, where cuBLAS's tiles are full, then _route_kernel
 ROUTER_BLOCKS = dict(BLOCK_E=32, BLOCK_D=64, num_warps=4, num_stages=3)
 
 
@@ -469,9 +540,51 @@ def _split_bf16(v):
 
 
 @triton.jit
-def _router_kernel(x_ptr, w_ptr, part_ptr, N, E, D, D_SPLIT,
+def _last_to_arrive(counter_ptr, n):
+    # True in the program that arrives n-th at this counter, which it resets to 0 for the next launch. What the
+    # others stored before arriving is visible to it: a barrier, then an acq_rel atomic; it reads with .cg (not L1).
+    tl.debug_barrier()
+    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel") == n - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0)
+    return last
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, count_ptr, pair_ids_ptr, slots_ptr, N, E, N_SLOTS,
+                  K: tl.constexpr, K_POW2: tl.constexpr, NORM: tl.constexpr, SCALE: tl.constexpr,
+                  E_POW2: tl.constexpr, SORT: tl.constexpr, P_POW2: tl.constexpr, BINS: tl.constexpr,
+                  S_POW2: tl.constexpr):
+    # program t = token: top-K of sigmoid(logits) + bias by K rounds of one max over int64 keys (the choice's order
+    # bits, then the lower id on ties); weights = the chosen scores (without the bias), renormalized, scaled.
+    # SORT: the last program to finish sorts every token's pairs by expert.
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_POW2)
+    k = tl.arange(0, K_POW2)
+    logits = tl.load(logits_ptr + t * E + e, mask=e < E, other=0.0, cache_modifier=".cg")              # [E]
+    choice = tl.sigmoid(logits) + tl.load(bias_ptr + e, mask=e < E, other=0.0)
+    key = tl.where(e < E, (_sortable(choice).to(tl.int64) << 32) | (E_POW2 - 1 - e).to(tl.int64), _KEY_NONE)
+    ids = tl.zeros([K_POW2], dtype=tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(key, 0)
+        ids = tl.where(k == j, E_POW2 - 1 - (best & 0xFFFFFFFF), ids)
+        key = tl.where(key == best, _KEY_NONE, key)
+    w = tl.sigmoid(tl.load(logits_ptr + t * E + ids, mask=k < K, other=0.0, cache_modifier=".cg"))      # [K]
+    w = tl.where(k < K, w, 0.0)
+    if NORM:
+        w = w / (tl.sum(w, 0) + 1e-20)
+    tl.store(w_ptr + t * K + k, w * SCALE, mask=k < K)
+    tl.store(ids_ptr + t * K + k, ids, mask=k < K)
+    if SORT:
+        if _last_to_arrive(count_ptr, N):
+            _sort_pairs(ids_ptr, pair_ids_ptr, slots_ptr, N * K, E, N_SLOTS, P_POW2, BINS, S_POW2)
+
+
+@triton.jit
+def _router_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, count_ptr, N, E, D, D_SPLIT, N_SPLIT: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BF16: tl.constexpr):
-    # Program (e block, split): partial logits over columns split*D_SPLIT.. of D -> part[split, t, e], all N tokens.
+    # Program (e block, split): partial logits over columns split*D_SPLIT.. of D -> part[split, t, e], all N tokens;
+    # the block's last program to finish sums its N_SPLIT partials -> logits[t, e].
     # SPLIT_BF16 (GPU): each operand as hi + lo bf16 and three tensor-core dots with fp32 accumulation (lo x lo is
     # below fp32 rounding); for bf16 x and a bf16 checkpoint weight the lo parts are 0 and every product is exact,
     # so only the summation order differs from F.linear in fp32. Else (the interpreter, whose bf16 dot is wrong):
@@ -494,53 +607,63 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, N, E, D, D_SPLIT,
             acc = tl.dot(x_lo, tl.trans(w_hi), acc)                                         # [BLOCK_T, BLOCK_E]
         else:
             acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
-    tl.store(part_ptr + (split * N + offs_t[:, None]) * E + offs_e[None, :], acc, mask=t_mask[:, None] & e_mask)
+    tile = offs_t[:, None] * E + offs_e[None, :]
+    mask = t_mask[:, None] & e_mask
+    tl.store(part_ptr + split * N * E + tile, acc, mask=mask)
+    if _last_to_arrive(count_ptr + tl.program_id(0), N_SPLIT):
+        logits = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+        for s in tl.static_range(N_SPLIT):                                   # in split order: the same bits each run
+            logits += tl.load(part_ptr + s * N * E + tile, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(logits_ptr + tile, logits, mask=mask)
 
 
-@triton.jit
-def _moe_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, N, E, SPLITS, K: tl.constexpr, K_POW2: tl.constexpr,
-                     NORM: tl.constexpr, SCALE: tl.constexpr, E_POW2: tl.constexpr):
-    # program n = token: logits = the SPLITS partial logits [SPLITS, N, E] summed in order; top-K of sigmoid + bias by
-    # repeated argmax (ties: lowest id); weights = the chosen scores (without the bias), renormalized, scaled
-    n = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, E_POW2)
-    logits = tl.zeros([E_POW2], dtype=tl.float32)
-    for s in range(0, SPLITS):
-        logits += tl.load(logits_ptr + (s * N + n) * E + e, mask=e < E, other=0.0)
-    score = tl.sigmoid(logits)
-    choice = tl.where(e < E, score + tl.load(bias_ptr + e, mask=e < E, other=0.0), float("-inf"))
-    k = tl.arange(0, K_POW2)
-    ids = tl.zeros([K_POW2], dtype=tl.int32)
-    w = tl.zeros([K_POW2], dtype=tl.float32)
-    for j in tl.static_range(K):
-        best = tl.min(tl.where(choice == tl.max(choice, 0), e, E_POW2), 0)
-        ids = tl.where(k == j, best, ids)
-        w = tl.where(k == j, tl.sum(tl.where(e == best, score, 0.0), 0), w)
-        choice = tl.where(e == best, float("-inf"), choice)
-    if NORM:
-        w = w / (tl.sum(w, 0) + 1e-20)
-    tl.store(w_ptr + n * K + k, w * SCALE, mask=k < K)
-    tl.store(ids_ptr + n * K + k, ids.to(tl.int64), mask=k < K)
+_COUNTERS: dict = {}    # device -> int32 arrival counters (_last_to_arrive), zero between launches: the router's
+ROUTER_MAX_BLOCKS = 1023  # expert blocks at [0, n_blocks), the route launch's at the last
 
 
-def _topk_launch(partial_logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float):
-    S, N, E = partial_logits.shape
-    w = torch.empty(N, top_k, dtype=torch.float32, device=partial_logits.device)
-    ids = torch.empty(N, top_k, dtype=torch.int64, device=partial_logits.device)
+def _counters(device) -> torch.Tensor:
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(ROUTER_MAX_BLOCKS + 1, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def _stream_counters(device) -> torch.Tensor:
+    """The skinny GEMM's counters: one set per stream (the shared experts' GEMMs run on a side stream, beside the
+    main stream's)"""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if torch.device(device).type == "cuda" else 0)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(SKINNY_MAX_BLOCKS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def _route_launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float, sort: bool):
+    """logits [N, E] fp32 -> (weights, ids); sort: ids.moe_pairs = the pairs sorted by expert (_moe_sort's output)"""
+    N, E = logits.shape
+    w = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
+    P = N * top_k
+    pair_ids, slots = _empty((P,), torch.int64, logits.device), _empty((min(E, P), 3), torch.int64, logits.device)
     if N:
-        _moe_topk_kernel[(N,)](partial_logits, bias, w, ids, N, E, S, K=top_k, K_POW2=triton.next_power_of_2(top_k),
-                               NORM=norm, SCALE=float(scale), E_POW2=triton.next_power_of_2(E))
+        _route_kernel[(N,)](logits, bias, w, ids, _counters(logits.device)[-1:], pair_ids, slots, N, E, slots.shape[0],
+                            K=top_k, K_POW2=triton.next_power_of_2(top_k), NORM=norm, SCALE=float(scale),
+                            E_POW2=triton.next_power_of_2(E), SORT=sort, P_POW2=triton.next_power_of_2(P),
+                            BINS=triton.next_power_of_2(E + 1), S_POW2=triton.next_power_of_2(max(slots.shape[0], 1)))
+    if sort:
+        ids.moe_pairs = (pair_ids, slots)
     return w, ids
 
 
 # group-limited routing (n_group > 1, DeepSeek-V3) stays with the reference: K2 / K2.6 use one group
 @register("router_topk", fits=lambda x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1: (
-    _glue(x) and n_group == 1 and x.dim() == 2 and weight.dtype == bias.dtype == torch.float32))
+    _glue(x) and n_group == 1 and x.dim() == 2 and weight.dtype == bias.dtype == torch.float32
+    and weight.shape[0] <= ROUTER_MAX_BLOCKS * ROUTER_BLOCKS["BLOCK_E"]))
 def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
+    """Decode / verify: the returned ids carry `moe_pairs` = (pair_ids, slots), the pairs sorted by expert
+    (_moe_sort's output), for fused_moe_w4a16."""
     (N, D), E = x.shape, weight.shape[0]
     x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
-    if N > ROUTER_MAX_T:
-        return _topk_launch(F.linear(x.float(), weight)[None], bias, top_k, norm, scale)
+    if N > ROUTER_MAX_T or N == 0:
+        return _route_launch(F.linear(x.float(), weight), bias, top_k, norm, scale, sort=False)
     cfg = ROUTER_BLOCKS
     block_t = max(16, triton.next_power_of_2(N))                            # tl.dot's smallest tile is 16
     n_eb = triton.cdiv(E, cfg["BLOCK_E"])
@@ -548,10 +671,10 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
     d_split = triton.cdiv(triton.cdiv(D, want_splits), cfg["BLOCK_D"]) * cfg["BLOCK_D"]   # whole BLOCK_D tiles
     n_split = triton.cdiv(D, d_split)                                       # no empty slice
     part = _empty((n_split, N, E), torch.float32, x.device)                 # [splits, N, E] partial logits
-    if N:
-        _router_kernel[(n_eb, n_split)](x, weight, part, N, E, D, d_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED,
-                                        **cfg)
-    return _topk_launch(part, bias, top_k, norm, scale)
+    logits = _empty((N, E), torch.float32, x.device)
+    _router_kernel[(n_eb, n_split)](x, weight, part, logits, _counters(x.device), N, E, D, d_split,
+                                    N_SPLIT=n_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED, **cfg)
+    return _route_launch(logits, bias, top_k, norm, scale, sort=N * top_k <= MOE_SORT_MAX_PAIRS)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -953,16 +1076,17 @@ def _moe_dot(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_
 
 
 @triton.jit
-def _moe_sort_kernel(ids_ptr, pair_ids_ptr, slots_ptr, P, E, N_SLOTS,
-                     P_POW2: tl.constexpr, E_POW2: tl.constexpr, S_POW2: tl.constexpr):
-    # One program: the (token, k) pairs sorted by expert (keys expert * P_POW2 + pair: unique, so the order within an
-    # expert is the pair order), per-expert counts by histogram, and the slot table of the used experts in id order.
+def _sort_pairs(ids_ptr, pair_ids_ptr, slots_ptr, P, E, N_SLOTS, P_POW2: tl.constexpr, BINS: tl.constexpr,
+                S_POW2: tl.constexpr):
+    # The (token, k) pairs sorted by expert (keys expert * P_POW2 + pair: unique, so the order within an expert is
+    # the pair order), per-expert counts by histogram (BINS > E: a bin E for the padding), and the slot table of the
+    # used experts in id order.
     p = tl.arange(0, P_POW2)
-    ids = tl.load(ids_ptr + p, mask=p < P, other=E).to(tl.int32)      # padding pairs go to bin E, past the experts
+    ids = tl.load(ids_ptr + p, mask=p < P, other=E, cache_modifier=".cg").to(tl.int32)   # padding pairs: bin E
     key = tl.sort(ids * P_POW2 + p)
     tl.store(pair_ids_ptr + p, (key % P_POW2).to(tl.int64), mask=p < P)
-    e = tl.arange(0, E_POW2)
-    count = tl.histogram(ids, E_POW2)                                  # E_POW2 > E: the padding bin exists
+    e = tl.arange(0, BINS)
+    count = tl.histogram(ids, BINS)
     used = (count > 0) & (e < E)
     slot = tl.cumsum(used.to(tl.int32), 0) - 1
     first = tl.cumsum(count, 0) - count                                # first sorted pair of expert e
@@ -975,6 +1099,13 @@ def _moe_sort_kernel(ids_ptr, pair_ids_ptr, slots_ptr, P, E, N_SLOTS,
         tl.store(slots_ptr + s * 3 + f, tl.zeros([S_POW2], dtype=tl.int64), mask=rest)
 
 
+@triton.jit
+def _moe_sort_kernel(ids_ptr, pair_ids_ptr, slots_ptr, P, E, N_SLOTS,
+                     P_POW2: tl.constexpr, BINS: tl.constexpr, S_POW2: tl.constexpr):
+    # one program: _sort_pairs
+    _sort_pairs(ids_ptr, pair_ids_ptr, slots_ptr, P, E, N_SLOTS, P_POW2, BINS, S_POW2)
+
+
 def _moe_sort(topk_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, K] -> pair_ids [T*K] (pairs t*K + k grouped by expert, in expert id order) and slots
     [min(E, T*K), 3] int64 = (expert, first index into pair_ids, pair count) of the used experts in id order, then
@@ -984,7 +1115,7 @@ def _moe_sort(topk_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tenso
         slots = _empty((min(E, P), 3), torch.int64, device)
         pair_ids = _empty((P,), torch.int64, device)
         _moe_sort_kernel[(1,)](topk_ids, pair_ids, slots, P, E, slots.shape[0], P_POW2=triton.next_power_of_2(P),
-                               E_POW2=triton.next_power_of_2(E + 1), S_POW2=triton.next_power_of_2(slots.shape[0]),
+                               BINS=triton.next_power_of_2(E + 1), S_POW2=triton.next_power_of_2(slots.shape[0]),
                                num_warps=4)
         return pair_ids, slots
     sorted_ids, pair_ids = torch.sort(topk_ids.view(-1))                                          # [P], [P]
@@ -1008,6 +1139,15 @@ def _moe_sum_kernel(y_ptr, shared_ptr, out_ptr, D, K: tl.constexpr, HAS_SHARED: 
     tl.store(out_ptr + t * D + cols, acc, mask=mask)
 
 
+_SIDE: dict = {}        # device -> the side stream the shared experts run on
+
+
+def _side_stream(device) -> "torch.cuda.Stream":
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
+
+
 def _int4_experts_fits(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32,
                        out=None, shared=None):
     D, I = x.shape[1], w2_packed.shape[-1] * 8
@@ -1024,20 +1164,36 @@ def _int4_experts_fits(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_pack
 @torch.compiler.disable
 def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, out=None,
                     shared=None):
-    """x [T, D], topk_ids / topk_weights [T, K] -> [T, D] fp32 = sum_k weight * SwiGLU expert_k(x) (+ shared [T, D],
-    the shared experts' output, added in the pass that sums the pairs)."""
+    """x [T, D], topk_ids / topk_weights [T, K] -> [T, D] fp32 = sum_k weight * SwiGLU expert_k(x) (+ shared(x),
+    the shared experts, run on a side stream beside the routed launches and added in the pass that sums the pairs:
+    in a CUDA graph, two branches)."""
     (T, D), K, E = x.shape, topk_ids.shape[1], w13_packed.shape[0]
+    pairs = getattr(topk_ids, "moe_pairs", None)          # sorted by the router's launch (router_topk), if it ran
     x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
-    shared = None if shared is None else shared.contiguous()
+    main = torch.cuda.current_stream(x.device) if x.is_cuda else None
+    if shared is not None and main is not None:
+        side = _side_stream(x.device)
+        side.wait_stream(main)                   # x is ready
+        with torch.cuda.stream(side):
+            shared_out = shared(x)
+    elif shared is not None:
+        shared_out = shared(x)
     if out is None:
         out = torch.empty(T, D, dtype=torch.float32, device=x.device)
-    pair_ids, slots = _moe_sort(topk_ids, E)
+    if pairs is None or pairs[1].shape[0] != min(E, T * K):                  # (or routed over other experts)
+        pairs = _moe_sort(topk_ids, E)
+    pair_ids, slots = pairs
     y = _empty((T * K, D), torch.float32, x.device)                          # per pair, weighted by topk_weights
     path = _moe_gemv if T <= MOE_GEMV_MAX_T and x.dtype != torch.float32 else _moe_dot
     path(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y)
+    if shared is not None:
+        if main is not None:
+            main.wait_stream(side)
+            shared_out.record_stream(main)       # made on the side stream, read and freed on this one
+        shared_out = shared_out.contiguous()
     if T:
         BLOCK = 256                                                          # enough programs for T = 9 x 7168
-        _moe_sum_kernel[(T, triton.cdiv(D, BLOCK))](y, y if shared is None else shared, out, D, K=K,
+        _moe_sum_kernel[(T, triton.cdiv(D, BLOCK))](y, y if shared is None else shared_out, out, D, K=K,
                                                     HAS_SHARED=shared is not None, BLOCK=BLOCK)
     return out
 

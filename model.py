@@ -124,80 +124,32 @@ def check_tp_divisibility(args: ModelArgs, ws: int) -> None:
 # None: replicated) so the loader reads only this rank's slice.
 
 
-class Linear(nn.Module):
-    """y = x W^T; `shard_dim` says how tensor parallelism splits W (column- or row-parallel)."""
+@kernels.fast
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T -> [..., out]: every Linear's GEMM (decoding: a few rows)"""
+    return F.linear(x, weight)
 
-    def __init__(self, in_features: int, out_features: int, shard_dim: int | None = None):
+
+class Linear(nn.Module):
+    """y = x W^T; `shard_dim` says how tensor parallelism splits W: 0 column-parallel (output rows),
+    1 row-parallel (input columns: the caller all-reduces the partial sums), None replicated.
+    out_features {name: rows}: W stacks these checkpoint tensors (projections of the same input: one
+    GEMM), each split by TP on its own, so a rank's W is its slice of each in turn; the loader fills
+    them (weight.parts)."""
+
+    def __init__(self, in_features: int, out_features: int | dict[str, int],
+                 shard_dim: int | None = None):
         super().__init__()
+        parts = out_features if isinstance(out_features, dict) else None
+        out_features = sum(parts.values()) if parts else out_features
         part_out = out_features // world_size if shard_dim == 0 else out_features
         part_in = in_features // world_size if shard_dim == 1 else in_features
         self.weight = nn.Parameter(torch.empty(part_out, part_in))   # [out/ws?, in/ws?]
         self.weight.shard_dim = shard_dim
+        self.weight.parts = parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-
-def ColumnParallelLinear(i: int, o: int) -> Linear:
-    return Linear(i, o, shard_dim=0)
-
-
-def RowParallelLinear(i: int, o: int) -> Linear:
-    """Row-parallel: each rank holds a slice of the input columns; the caller all-reduces the partial sums."""
-    return Linear(i, o, shard_dim=1)
-
-
-def share_rows(*linears: Linear, name: str = "weight") -> torch.Tensor:
-    """One GEMM for Linears that read the same input (MLA's q_a and kv_a; an MLP's gate and up): their weights
-    (name="bias": biases) are put into one [sum of out, in] tensor, returned, and each Linear's weight becomes a
-    view of its row block, so parameter names, in-place loading and TP slicing stay as they were."""
-    w = torch.cat([getattr(lin, name).detach() for lin in linears])             # [sum out, in] (bias: [sum out])
-    row = 0
-    for lin in linears:
-        old = getattr(lin, name)
-        new = nn.Parameter(w[row:row + old.shape[0]], requires_grad=old.requires_grad)
-        new.shard_dim = old.shard_dim
-        setattr(lin, name, new)
-        row += old.shape[0]
-    return w
-
-
-class SharesRows(nn.Module):
-    """A module whose Linears share one weight tensor (share_rows). ROW_GROUPS: attribute of the shared tensor ->
-    names of its Linears. .to() / .cuda() give every parameter a new tensor, so _apply shares them again.
-    Linears with biases share them the same way, as attribute "..._bias" (else None)."""
-    ROW_GROUPS: dict[str, tuple[str, ...]] = {}
-
-    def share(self) -> None:
-        for attr, names in self.ROW_GROUPS.items():
-            linears = [getattr(self, n) for n in names]
-            setattr(self, attr, share_rows(*linears))
-            biased = getattr(linears[0], "bias", None) is not None
-            setattr(self, attr.replace("_weight", "_bias"), share_rows(*linears, name="bias") if biased else None)
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        self.share()
-        return self
-
-
-def linear_rows(x: torch.Tensor, w: torch.Tensor, *linears: Linear, split: bool = True,
-                bias: torch.Tensor | None = None):
-    """Each Linear's output, from one GEMM over their shared weight w and bias (see share_rows); split=False: the
-    one [..., sum of out] output. While autograd wants the parameters' gradients (train.py) each Linear runs on
-    its own: w is not part of the autograd graph."""
-    if torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in linears):
-        ys = tuple(lin(x) for lin in linears)
-        return ys if split else torch.cat(ys, dim=-1)
-    if not torch.compiler.is_compiling():
-        row_bytes, row = w.stride(0) * w.element_size(), 0
-        for lin in linears:            # pointer arithmetic, not w[row]: no view made per call on the eager hot path
-            if lin.weight.data_ptr() != w.data_ptr() + row * row_bytes:
-                raise RuntimeError("a Linear's weight no longer lives in its share_rows tensor (a parameter was "
-                                   "replaced, e.g. by load_state_dict(assign=True)): load in place instead")
-            row += lin.weight.shape[0]
-    y = F.linear(x, w, bias)
-    return y.split([lin.weight.shape[0] for lin in linears], dim=-1) if split else y
+        return linear(x, self.weight)
 
 
 class ParallelEmbedding(nn.Module):
@@ -235,8 +187,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @kernels.fast
 def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:
-    """(x + r, rms_norm(x + r)): a residual add and the next norm."""
-    s = x + r
+    """(x + r, rms_norm(x + r)): a residual add and the next norm. r (an MLP's output; an MoE's is
+    fp32) is rounded to x's dtype first: the residual stream's."""
+    s = x + r.to(x.dtype)
     return s, rms_norm(s, weight, eps)
 
 
@@ -394,24 +347,26 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     return o if out is None else out.copy_(o)
 
 
-class MLA(SharesRows):
+class MLA(nn.Module):
     """Multi-head latent attention, tensor-parallel by heads (o_proj row-parallel: one all-reduce)."""
-    ROW_GROUPS = {"q_kv_a_weight": ("q_a_proj", "kv_a_proj_with_mqa")}     # both read x: one GEMM
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads = args.num_attention_heads // world_size          # local heads
         self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
-        self.kv_lora_rank = args.kv_lora_rank
-        self.q_a_proj = Linear(args.hidden_size, args.q_lora_rank)
+        self.q_lora_rank, self.kv_lora_rank = args.q_lora_rank, args.kv_lora_rank
+        # q_a_proj and kv_a_proj_with_mqa read the same x: one replicated stacked weight, one GEMM
+        a_rows = {"q_a_proj": args.q_lora_rank,
+                  "kv_a_proj_with_mqa": args.kv_lora_rank + args.qk_rope_head_dim}
+        self.qkv_a_proj = Linear(args.hidden_size, a_rows)
         self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
-        self.q_b_proj = ColumnParallelLinear(args.q_lora_rank, args.num_attention_heads * args.qk_head_dim)
-        self.kv_a_proj_with_mqa = Linear(args.hidden_size, args.kv_lora_rank + args.qk_rope_head_dim)
-        self.share()                             # q_kv_a_weight [q_lora + R + P, D], replicated
+        q_b_rows = args.num_attention_heads * args.qk_head_dim
+        self.q_b_proj = Linear(args.q_lora_rank, q_b_rows, shard_dim=0)
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
-        self.kv_b_proj = ColumnParallelLinear(args.kv_lora_rank,
-                                              args.num_attention_heads * (args.qk_nope_head_dim + args.v_head_dim))
-        self.o_proj = RowParallelLinear(args.num_attention_heads * args.v_head_dim, args.hidden_size)
+        kv_b_rows = args.num_attention_heads * (args.qk_nope_head_dim + args.v_head_dim)
+        self.kv_b_proj = Linear(args.kv_lora_rank, kv_b_rows, shard_dim=0)
+        o_cols = args.num_attention_heads * args.v_head_dim
+        self.o_proj = Linear(o_cols, args.hidden_size, shard_dim=1)
         self.softmax_scale = args.qk_head_dim ** -0.5
         if args.rope_type == "yarn" and args.mscale_all_dim:
             # transformers: the YaRN mscale enters the softmax scale squared (q and k each carry one factor)
@@ -424,7 +379,8 @@ class MLA(SharesRows):
         causal default); the absorbed path also takes it packed, [B, T] int64 (tree_mask_bits).
         slots [B, T]: the new tokens' cache slots, start_pos + [0, T) (Transformer computes them once)."""
         B, T, _ = x.shape
-        q_a, kv = linear_rows(x, self.q_kv_a_weight, self.q_a_proj, self.kv_a_proj_with_mqa)  # [B, T, q_lora], [B, T, R+P]
+        qkv_a = self.qkv_a_proj(x)                                   # [B, T, q_lora + R + P]
+        q_a, kv = qkv_a.split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], dim=-1)
         q = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, T, self.n_heads, -1)                # [B, T, H, nope+rope]
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         q_pe = rope(q_pe, cos, sin)
@@ -499,20 +455,19 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
-class MLP(SharesRows):
+class MLP(nn.Module):
     """SwiGLU MLP, tensor-parallel (gate/up column, down row). Returns this rank's partial sum: the
     caller all-reduces (so MoE can add routed + shared before one all-reduce)."""
-    ROW_GROUPS = {"gate_up_weight": ("gate_proj", "up_proj")}
 
     def __init__(self, dim: int, inter: int):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(dim, inter)
-        self.up_proj = ColumnParallelLinear(dim, inter)
-        self.down_proj = RowParallelLinear(inter, dim)
-        self.share()                             # gate_up_weight [2 inter/ws, dim]
+        # gate_proj and up_proj read the same x: their weights stacked, one GEMM
+        self.gate_up_proj = Linear(dim, {"gate_proj": inter, "up_proj": inter}, shard_dim=0)
+        self.down_proj = Linear(inter, dim, shard_dim=1)
 
     def forward(self, x):
-        return self.down_proj(silu_mul(*linear_rows(x, self.gate_up_weight, self.gate_proj, self.up_proj)))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)              # [..., inter/ws] each
+        return self.down_proj(silu_mul(gate, up))
 
 
 class DenseMLP(MLP):
@@ -619,7 +574,8 @@ INT4_REF_GROUP_BYTES = 256 * 2**20    # int4_experts dequantizes at most this ma
 def int4_experts(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, out=None,
                  shared=None):
     """Routed experts from the INT4 layout: x [T, D], topk_ids / topk_weights [T, k] -> [T, D] fp32 =
-    Σ_k weight * SwiGLU expert_k(x) + shared [T, D] (the shared experts' output) if given. w13_packed [E, 2I, D/8]
+    Σ_k weight * SwiGLU expert_k(x) + shared(x) if given (the shared experts: x -> [T, D]; the fast
+    path runs them beside the routed ones). w13_packed [E, 2I, D/8]
     (gate rows then up rows), w2_packed [E, D, I/8], scales one per group. Only the used experts are dequantized,
     a group at a time (at K2.6 size: one expert at a time), so memory stays bounded."""
     used = topk_ids.unique()                                                            # [n] increasing ids
@@ -630,7 +586,7 @@ def int4_experts(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2
         w2 = dequant_int4(w2_packed[group], w2_scale[group], group_size).float()        # [g, D, I]
         swiglu_experts(x, topk_ids, topk_weights, group, w13, w2, y)
     if shared is not None:
-        y += shared.float()
+        y += shared(x).float()
     return y if out is None else out.copy_(y)
 
 
@@ -657,13 +613,14 @@ class Experts(nn.Module):
             self.w13 = nn.Parameter(torch.empty(E, 2 * inter, D))                              # [E, 2I/ws, D]
             self.w2 = nn.Parameter(torch.empty(E, D, inter))                                   # [E, D, I/ws]
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-        """x [N, D], weights/ids [N, k], shared [N, D] (the shared experts' output) -> Σ_k w_k expert_k(x) + shared,
-        [N, D] fp32 (this rank's partial sum)."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                shared: nn.Module) -> torch.Tensor:
+        """x [N, D], weights/ids [N, k], shared: the shared experts -> [N, D] fp32, this rank's
+        partial sum of Σ_k w_k expert_k(x) + shared(x)."""
         if self.quant:
             return int4_experts(x, ids, weights, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale,
                                 self.quant.group_size, shared=shared)
-        return float_experts(x, ids, weights, self.w13, self.w2) + shared.float()
+        return float_experts(x, ids, weights, self.w13, self.w2) + shared(x).float()
 
 
 class MoE(nn.Module):
@@ -674,13 +631,14 @@ class MoE(nn.Module):
         self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] -> routed + shared experts [..., D], fp32 (the next residual add rounds it)"""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         w, ids = self.gate(x)
-        y = self.experts(x, w, ids, shared=self.shared_experts(x))          # routed + shared experts, fp32
+        y = self.experts(x, w, ids, shared=self.shared_experts)       # routed + shared, fp32
         if world_size > 1:
             dist.all_reduce(y)                  # one all-reduce per MoE layer: routed + shared summed first
-        return y.to(x.dtype).view(shape)
+        return y.view(shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -695,10 +653,20 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, start_pos, tree_mask, absorb, slots=None):
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos, tree_mask, absorb, slots)
+    def forward(self, x, r, cos, sin, cache, start_pos, tree_mask, absorb, slots=None):
+        """x [B, T, D]: the residual stream; r: the previous layer's MLP output, not yet added to it
+        (None in the first layer). Returns (x, this layer's MLP output): the layer's output is x + r
+        (residual), which the next norm adds (one launch for the add and the norm at every
+        residual)."""
+        x, h = (x, self.input_layernorm(x)) if r is None else self.input_layernorm.add(x, r)
+        attn = self.self_attn(h, cos, sin, cache, start_pos, tree_mask, absorb, slots)
         x, h = self.post_attention_layernorm.add(x, attn)                  # x + attn and its norm
-        return x + self.mlp(h)
+        return x, self.mlp(h)
+
+
+def residual(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """A layer's output from Block's (x, r): what add_rms_norm adds."""
+    return x + r.to(x.dtype)
 
 
 # Below this many new tokens the cache path uses absorbed MLA (decode, verify: memory-bound); above it,
@@ -720,7 +688,7 @@ class Transformer(nn.Module):
         self.embed_tokens = ParallelEmbedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(Block(i, args) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = ColumnParallelLinear(args.hidden_size, args.vocab_size)   # vocab-parallel
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, shard_dim=0)   # vocab-parallel
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         inv_freq, self.rope_attn_factor = rope_inv_freq(args)
@@ -778,19 +746,19 @@ class Transformer(nn.Module):
             tree_mask = tree_mask_bits(tree_mask)           # pack once per forward  [B, T] int64
         elif packed and not absorb:                         # the naive path wants the bool mask
             tree_mask = tree_mask_unpack(tree_mask)                                         # [B, T, T] bool
-        h = self.embed_tokens(tokens)                                                       # [B, T, D]
+        h, r = self.embed_tokens(tokens), None    # [B, T, D]; r: the last MLP output, not yet in h
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_attn_factor, positions, h.dtype)
         taps = []
         for i, layer in enumerate(self.layers):
             cache = None if start_pos is None else self.kv_cache[i, cache_row:]
-            h = layer(h, cos, sin, cache, start_pos, tree_mask, absorb, slots)
+            h, r = layer(h, r, cos, sin, cache, start_pos, tree_mask, absorb, slots)
             if debug:
-                check_finite(h, f"layer {i} output")
+                check_finite(residual(h, r), f"layer {i} output")
             if i in hidden_layers:
-                taps.append(h)
+                taps.append(residual(h, r))
         if last_only:
-            h = h[:, -1:]
-        logits = self.head(self.norm(h))
+            h, r = h[:, -1:], r[:, -1:]
+        logits = self.head(self.norm.add(h, r)[1])
         if debug:
             check_finite(logits, "logits")
         return Output(logits, torch.cat(taps, dim=-1) if taps else None)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import checkpoint as C
 import draft as Dr
 import tiny
 from checkpoint import CheckpointError
@@ -88,7 +89,7 @@ def make_ckpt(path, target_args, seed=1, n_shards=1, **over):
     d = Dr.DFlashDrafter(Dr.DraftArgs.from_config(cfg))
     tiny.randomize_(d, seed, std=0.2)
     Dr.write_drafter(str(path), d, cfg, n_shards=n_shards)
-    W = {k: v.clone() for k, v in d.state_dict().items()}
+    W = {k: v.detach().clone() for k, v in C.checkpoint_tensors(d).items()}     # under the checkpoint's names
     return cfg, W
 
 
@@ -190,23 +191,20 @@ def test_cached_logits_match_plain_forward(tmp_path, target):
 
 def test_attention_bias_matches_equations(tmp_path, target):
     """A drafter with attention_bias (Qwen-style q/k/v/o biases) against the equations with them: the q/k/v biases
-    share one vector as their weights share one matrix (model.share_rows), added by the one GEMM; after .to() the
-    sharing is rebuilt, and loading writes the checkpoint's biases into it."""
+    are stacked like their weights (one parameter each, filled from the checkpoint's q/k/v tensors at load) and
+    added by the one GEMM."""
     cfg, W = make_ckpt(tmp_path, target.args, attention_bias=True)
     assert W["layers.0.self_attn.q_proj.bias"].abs().sum() > 0 and "layers.0.self_attn.o_proj.bias" in W
     B, D, bs, n_taps = 2, cfg["hidden_size"], cfg["block_size"], len(cfg["dflash_config"]["target_layer_ids"])
     feats, blk = randn(B, 12, n_taps * D, seed=2), randn(B, bs, D, seed=3)
     d = loaded(tmp_path, target.args)
     at = d.layers[0].self_attn
-    assert at.qkv_bias.data_ptr() == at.q_proj.bias.data_ptr()
-    assert torch.equal(at.v_proj.bias, at.qkv_bias[-at.v_proj.bias.numel():])
+    assert torch.equal(at.qkv_proj.bias, torch.cat([W[f"layers.0.self_attn.{n}_proj.bias"] for n in "qkv"]))
     got = d(blk, feats, 0)
     ref = ref_drafter(W, cfg, blk, feats)
     assert err(got, ref) <= TOL, f"drafter with biases vs equations {err(got, ref):.2e}"
     no_bias = {k: (torch.zeros_like(v) if k.endswith("_proj.bias") else v) for k, v in W.items()}
     assert err(got, ref_drafter(no_bias, cfg, blk, feats)) > 10 * TOL    # the biases matter at this size
-    at = d.to(torch.float64).layers[0].self_attn                          # new tensors: shared again
-    assert at.qkv_bias.dtype == torch.float64 and at.qkv_bias.data_ptr() == at.q_proj.bias.data_ptr()
 
 
 def test_per_row_ctx_len_and_stale_slots(tmp_path, target):
@@ -385,7 +383,7 @@ def test_bad_tensors_named(tmp_path, target):
     # an optional `model.` prefix loads to the same weights
     Dr.write_drafter(str(tmp_path / "prefixed"), {"model." + k: v for k, v in W.items()}, cfg)
     d = Dr.load_drafter(str(tmp_path / "prefixed"), target.args)
-    assert all(torch.equal(p, W[k]) for k, p in d.state_dict().items())
+    assert all(torch.equal(p, W[k]) for k, p in C.checkpoint_tensors(d).items())
 
 
 @pytest.mark.parametrize("key,value", [("layers.0.input_layernorm.weight", float("nan")),

@@ -333,8 +333,10 @@ def test_load_peak_host_memory(big_ckpt):
         # growth = the parameters' own pages (torch.empty leaves them untouched until loaded) + at most one
         # shard's mapped pages and one tensor's slice temporaries; never a second copy of the model
         assert growth <= 1.5 * s["param_bytes"], (s, total)
-        # checkpoint.peak_rss_bytes() agrees whenever the parent's peak does not mask it (see _MEASURE)
-        assert s["peak"] >= s["hwm"] - 4e6 and s["stats_peak"] == s["peak"], s
+        # checkpoint.peak_rss_bytes() agrees whenever the parent's peak does not mask it (see _MEASURE); read
+        # inside and after the load it can differ by the pages freed in between: Linux reports VmHWM as the larger
+        # of the current RSS and a high-water mark it records only at unmap
+        assert s["peak"] >= s["hwm"] - 4e6 and abs(s["stats_peak"] - s["peak"]) <= 4e6, s
         if s["peak_before"] <= s["before"] + 4e6:
             assert s["peak"] - s["before"] <= 1.5 * s["param_bytes"], s
         if ws == 2:

@@ -163,7 +163,7 @@ def test_glue_kernels_stay_out_of_autograd_and_compile(monkeypatch):
 
 def fits_cases():
     """(name, args that fit, the same with one thing the kernel cannot take), small CPU tensors."""
-    f32, i64 = torch.float32, torch.int64
+    f32, f16, i64 = torch.float32, torch.float16, torch.int64
     r = lambda *s, dtype=f32: torch.zeros(*s, dtype=dtype)
     tree = T.Tree(*T.ddtree_search.ref(r(1, 3, 4), r(1, 3, 4, dtype=i64), r(1, dtype=i64), 4))
     attn = lambda T_, R: (r(1, T_, 2, R), r(1, T_, 2, 16), r(1, 80, R + 16), r(1, dtype=i64), r(1, T_, dtype=i64), 0.1)
@@ -172,6 +172,7 @@ def fits_cases():
     qkv = lambda hd: (r(1, 3, 4 * hd), 2, 1, r(hd), r(hd), 1e-6, r(1, 3, hd), r(1, 3, hd), r(1, 8, 1, hd),
                       r(1, 8, 1, hd), r(1, 3, dtype=i64), 1)
     return [
+        ("linear", (r(2, 3, 16, dtype=f16), r(8, 16, dtype=f16)), (r(65, 16, dtype=f16), r(8, 16, dtype=f16))),
         ("rms_norm", (r(2, 16), r(16), 1e-6), (r(2, 16), r(8), 1e-6)),
         ("add_rms_norm", (r(2, 16), r(2, 16), r(16), 1e-6), (r(2, 16), r(2, 16, dtype=torch.float16), r(16), 1e-6)),
         ("rope", (r(1, 2, 3, 16), r(1, 2, 16), r(1, 2, 16)), (r(1, 2, 3, 12), r(1, 2, 12), r(1, 2, 12))),
@@ -381,11 +382,13 @@ def test_int4_experts_kernel(T_, E, K, D, I, tiles, dtype, monkeypatch):
     assert launch("int4_experts", *args, out=out) is out
     ref = M.int4_experts.ref(*args)
     assert_close(out, ref, TOL[dtype], f"moe T={T_} {dtype}")
-    # the shared experts' output (the model's dtype) added in the pass that sums the pairs
-    shared = torch.randn(T_, D, generator=torch.Generator().manual_seed(T_)).to(dtype).to(KERNEL_DEVICE)
+    # the shared experts (x -> the model's dtype; on a GPU run on a side stream) added in the pass that sums the pairs
+    w_shared = (torch.randn(D, D, generator=torch.Generator().manual_seed(T_)) / D**0.5).to(dtype).to(KERNEL_DEVICE)
+    shared = lambda x: F.linear(x, w_shared)
     ref_shared = M.int4_experts.ref(*args, shared=shared)
-    assert torch.equal(ref_shared, ref + shared.float())
-    assert_close(kernels.fused_moe_w4a16(*args, shared=shared), ref_shared, TOL[dtype], f"moe + shared T={T_}")
+    assert torch.equal(ref_shared, ref + shared(args[0]).float())
+    got = kernels.fused_moe_w4a16(*args, shared=shared)
+    assert_close(got, ref_shared, TOL[dtype], f"moe + shared T={T_}")
 
 
 @needs_kernels
@@ -468,10 +471,14 @@ def test_rms_norm_kernel(shape, N, w_fp32, dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 1, 7168), (2, 9, 96), (0, 3, 64)])
-def test_add_rms_norm_kernel(shape, dtype):
-    """Residual add + RMSNorm in one launch: the sum bit-exact, the norm to rounding."""
+@pytest.mark.parametrize("r_fp32", [False, True], ids=["r same dtype", "r fp32"])
+def test_add_rms_norm_kernel(shape, dtype, r_fp32):
+    """Residual add + RMSNorm in one launch: the sum bit-exact, the norm to rounding; an fp32 r (an MoE's output)
+    rounded to x's dtype first."""
     g = torch.Generator().manual_seed(shape[-1])
     x, r = [(torch.randn(*shape, generator=g) * 3).to(dtype).to(KERNEL_DEVICE) for _ in range(2)]
+    if r_fp32:
+        r = r.float() + torch.randn(*shape, generator=g).to(KERNEL_DEVICE) * 1e-3     # not a value of dtype
     w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype).to(KERNEL_DEVICE)
     (s, y), (s_ref, y_ref) = launch("add_rms_norm", x, r, w, 1e-6), M.add_rms_norm.ref(x, r, w, 1e-6)
     assert torch.equal(s, s_ref) and y.dtype == y_ref.dtype and y.shape == y_ref.shape
@@ -504,12 +511,32 @@ def test_rope_kernel(layout, interleaved, dtype, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [d for d in KERNEL_DTYPES if KERNEL_DEVICE == "cpu" or d != torch.float32], ids=str)
+@pytest.mark.parametrize("M_, N, K", [(1, 96, 256), (9, 200, 384), (16, 64, 1000), (33, 128, 512), (64, 40, 7168)])
+def test_linear_kernel(M_, N, K, dtype, monkeypatch):
+    """Skinny GEMM == F.linear to rounding: N and K tails masked, 16- and 64-row tiles, K split over programs and summed
+    by the last to finish (poisoned partials); up to 16 rows, a row's result does not depend on the rows beside it; a
+    row-strided x (a slice of a wider GEMM's output) read in place."""
+    monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
+    g = torch.Generator().manual_seed(M_ * N + K)
+    x = torch.randn(M_, K, generator=g).to(dtype).to(KERNEL_DEVICE)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype).to(KERNEL_DEVICE)
+    assert kernels._skinny_split(N, K, KERNEL_DEVICE) > 1 or K <= kernels.SKINNY["BLOCK_K"]
+    y = launch("linear", x, w)
+    assert_close(y, M.linear.ref(x, w), TOL[dtype], f"linear {M_}x{N}x{K} {dtype}")
+    if M_ <= 16:                                        # one 16-row tile for all of them
+        assert torch.equal(launch("linear", x[:1], w), y[:1]), "a row's result depends on the rows beside it"
+    wide = torch.cat([x, torch.randn(M_, 8, generator=g).to(dtype).to(KERNEL_DEVICE)], dim=1)[:, :K]
+    assert torch.equal(launch("linear", wide, w), y)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 def test_silu_mul_kernel(dtype):
     g = torch.Generator().manual_seed(0)
     a, b = [(torch.randn(3, 1500, generator=g) * 4).to(dtype).to(KERNEL_DEVICE) for _ in range(2)]
     assert_close(launch("silu_mul", a, b), M.silu_mul.ref(a, b), TOL[dtype], f"silu_mul {dtype}")
-    # the two halves of one gate/up GEMM's output (model.linear_rows): row-strided views, not copies
+    # the two halves of one gate/up GEMM's output (model.MLP): row-strided views, not copies
     gu = (torch.randn(2, 5, 2 * 96, generator=g) * 4).to(dtype).to(KERNEL_DEVICE)
     gate, up = gu.split(96, dim=-1)
     y = launch("silu_mul", gate, up)
@@ -526,7 +553,7 @@ def test_mla_latent_to_cache_kernel(B, T_, dtype):
     g = torch.Generator().manual_seed(B * 100 + T_)
     R, P, S = 32, 16, 40
     rnd = lambda *shape: (torch.randn(*shape, generator=g) * 2).to(dtype).to(KERNEL_DEVICE)
-    # kv as model.linear_rows returns it: the last columns of the q_a | kv_a GEMM's rows (row-strided)
+    # kv as model.MLA splits it: the last columns of the q_a | kv_a GEMM's rows (row-strided)
     kv, cos, sin, w = rnd(B, T_, 24 + R + P)[..., 24:], rnd(B, T_, P), rnd(B, T_, P), rnd(R)
     assert B * T_ == 1 or not kv.is_contiguous()          # (one row counts as contiguous)
     slots = (torch.tensor([3, 20][:B])[:, None] + torch.arange(T_)).to(KERNEL_DEVICE)      # [B, T]
@@ -586,8 +613,8 @@ def test_mla_tree_attention_kernel(T_, H, prefixes, kind, tiles, dtype, monkeypa
                                               (3, 16, 64, 16, torch.float32)])
 def test_router_topk_kernel(N, E, D, k, dtype):
     """Router matmul in D-slices + routing == F.linear in fp32 + the reference's routing: logits to fp32 rounding,
-    the same experts in the same order. D = 200: a masked tail slice; N = 70 > ROUTER_MAX_T: the F.linear branch;
-    k = E: every expert."""
+    the same experts in the same order, and (one launch) the pairs sorted by expert. D = 200: a masked tail slice;
+    N = 70 > ROUTER_MAX_T: the F.linear branch; k = E: every expert."""
     g = torch.Generator().manual_seed(N * E + D)
     x = torch.randn(N, D, generator=g).to(dtype).to(KERNEL_DEVICE)
     weight = (torch.randn(E, D, generator=g) / D**0.5).to(torch.bfloat16).float().to(KERNEL_DEVICE)  # a bf16 checkpoint
@@ -597,6 +624,9 @@ def test_router_topk_kernel(N, E, D, k, dtype):
         w_ref, ids_ref = M.router_topk.ref(x, weight, bias, k, norm, 2.827)
         assert ids.dtype == torch.int64 and torch.equal(ids, ids_ref), f"{ids} vs {ids_ref}"
         assert_close(w, w_ref, 1e-5, f"router_topk weights N={N} E={E} D={D} norm={norm}")
+        if N <= kernels.ROUTER_MAX_T:       # one launch: the pairs sorted by expert for int4_experts, as _moe_sort
+            (pair_ids, slots), (pair_ref, slots_ref) = ids.moe_pairs, kernels._moe_sort(ids, E)
+            assert torch.equal(pair_ids, pair_ref) and torch.equal(slots, slots_ref)
 
 
 @needs_kernels

@@ -146,10 +146,10 @@ def test_hidden_layers_are_layer_outputs():
         h = model.embed_tokens(tokens)
         cos, sin = M.rope_cos_sin(model.inv_freq, model.rope_attn_factor, torch.arange(9).view(1, -1), h.dtype)
         causal = torch.ones(1, 9, 9, dtype=torch.bool).tril()                     # [1, T, T]
-        outs = []
+        outs, r = [], None
         for layer in model.layers:
-            h = layer(h, cos, sin, None, None, causal, False)
-            outs.append(h)
+            h, r = layer(h, r, cos, sin, None, None, causal, False)
+            outs.append(M.residual(h, r))
     assert hid.shape == (1, 9, 2 * 64)
     assert torch.allclose(hid, torch.cat([outs[0], outs[2]], -1), atol=1e-6)
     assert torch.allclose(logits, model(tokens).logits, atol=1e-6)
@@ -157,7 +157,7 @@ def test_hidden_layers_are_layer_outputs():
 
 # The ops with a fast path, as the switch in kernels.py knows them: name -> the reference's parameters
 CONTRACT = {
-    "rms_norm": "x weight eps", "add_rms_norm": "x r weight eps", "rope": "x cos sin interleaved",
+    "linear": "x weight", "rms_norm": "x weight eps", "add_rms_norm": "x r weight eps", "rope": "x cos sin interleaved",
     "silu_mul": "g u", "mla_latent_to_cache": "kv weight eps cos sin cache slots",
     "mla_tree_attention": "q_lat q_pe cache prefix_len tree_mask softmax_scale out",
     "router_topk": "x weight bias top_k norm scale n_group topk_group",
@@ -248,7 +248,7 @@ def test_int4_experts_reference_bounds_its_memory(monkeypatch):
     w = torch.rand(T, k, generator=g)
     want = M.float_experts(x, ids, w, M.dequant_int4(w13p, s13), M.dequant_int4(w2p, s2))
     shared = torch.randn(T, D, generator=g)
-    whole = M.int4_experts.ref(x, ids, w, w13p, s13, w2p, s2, 32, shared=shared)
+    whole = M.int4_experts.ref(x, ids, w, w13p, s13, w2p, s2, 32, shared=lambda x: shared)
     monkeypatch.setattr(M, "INT4_REF_GROUP_BYTES", 1)
     out = torch.empty(T, D)
     one_by_one = M.int4_experts.ref(x, ids, w, w13p, s13, w2p, s2, 32, out=out)
@@ -407,42 +407,30 @@ def test_debug_reports_first_nonfinite_layer():
             model(torch.randint(0, 96, (1, 5)), debug=True)
 
 
-def test_share_rows_one_gemm_same_outputs():
-    """q_a | kv_a and gate | up run as one GEMM over one weight tensor: the Linears' weights are views of it (names
-    and in-place loading unchanged), the outputs match each Linear's own, training still reaches the parameters,
-    and a parameter replaced behind its back is an error, not stale weights."""
-    lin_a, lin_b = M.Linear(8, 5), M.Linear(8, 3, shard_dim=0)
-    with torch.no_grad():
-        lin_a.weight.normal_(), lin_b.weight.normal_()
-    wa = lin_a.weight.detach().clone()
-    w = M.share_rows(lin_a, lin_b)
-    assert w.shape == (8, 8) and torch.equal(w[:5], wa) and lin_b.weight.shard_dim == 0
-    with torch.no_grad():
-        lin_b.weight.copy_(torch.randn(3, 8))            # as load_checkpoint writes: in place, so w sees it
-    assert torch.equal(w[5:], lin_b.weight)
-    x = torch.randn(2, 4, 8)
-    with torch.no_grad():
-        a, b = M.linear_rows(x, w, lin_a, lin_b)
-        assert torch.allclose(a, lin_a(x), atol=1e-6) and torch.allclose(b, lin_b(x), atol=1e-6)
-    a, b = M.linear_rows(x, w, lin_a, lin_b)            # autograd on: through each Linear
-    (a.sum() + b.sum()).backward()
-    assert lin_a.weight.grad is not None and lin_b.weight.grad is not None
-    lin_b.weight = torch.nn.Parameter(torch.randn(3, 8))
-    with torch.no_grad(), pytest.raises(RuntimeError, match="share_rows"):
-        M.linear_rows(x, w, lin_a, lin_b)
-
-
-def test_share_rows_survives_to():
-    """A model moved or cast after it was built (`.to()`, as tests and users do with `.cuda()`) shares its rows
-    again: the same outputs as before the move, through one GEMM over a tensor its weights live in."""
-    model = M.Transformer(M.ModelArgs.from_config(tiny.text_config()))
-    tiny.randomize_(model, seed=1)
-    tokens = torch.tensor([[3, 5, 7, 11]])
-    with torch.no_grad():
-        before = model(tokens).logits.double()
-        model.to(torch.float64)
-        after = model(tokens).logits
-    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    assert attn.q_kv_a_weight.dtype == torch.float64 and torch.allclose(after.double(), before, atol=1e-4)
-    assert attn.q_a_proj.weight.data_ptr() == attn.q_kv_a_weight.data_ptr()
-    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_weight[mlp.gate_proj.weight.shape[0]].data_ptr()
+def test_stacked_linears_hold_each_rank_slice_of_each_tensor(tmp_path):
+    """q_a | kv_a and gate | up are one parameter each (one GEMM), filled at load from the checkpoint's own tensors:
+    replicated ones stacked whole, column-parallel ones as this rank's slice of each in turn; checkpoint_tensors
+    (hf_state_dict) splits them back under the checkpoint's names."""
+    ref = tiny.write_k26(tmp_path, tiny.text_config(moe_intermediate_size=64), seed=3)   # TP2 splits the INT4 groups
+    W = C.hf_state_dict(ref)
+    p = "model.layers.1."
+    assert p + "self_attn.q_a_proj.weight" in W and not any(k.endswith(("qkv_a_proj.weight", "gate_up_proj.weight"))
+                                                            for k in W)
+    try:
+        M.set_tp(2, 1)                                   # rank 1 of 2, no process group: only the loader runs
+        model = M.Transformer(M.ModelArgs.from_config(str(tmp_path)))
+        C.load_checkpoint(model, str(tmp_path))
+    finally:
+        M.set_tp(1, 0)
+    layer = model.layers[1]
+    assert torch.equal(layer.self_attn.qkv_a_proj.weight, torch.cat([W[p + "self_attn.q_a_proj.weight"],
+                                                                     W[p + "self_attn.kv_a_proj_with_mqa.weight"]]))
+    gate, up = W[p + "mlp.shared_experts.gate_proj.weight"], W[p + "mlp.shared_experts.up_proj.weight"]
+    n = gate.shape[0] // 2
+    assert torch.equal(layer.mlp.shared_experts.gate_up_proj.weight, torch.cat([gate[n:], up[n:]]))
+    x = torch.randn(2, 3, ref.args.hidden_size)
+    attn = ref.layers[1].self_attn
+    with torch.no_grad():                                # the one GEMM == the two checkpoint tensors on their own
+        q_a, kv = attn.qkv_a_proj(x).split([attn.q_lora_rank, attn.kv_lora_rank + attn.rope_dim], -1)
+    torch.testing.assert_close(q_a, x @ W[p + "self_attn.q_a_proj.weight"].T)
+    torch.testing.assert_close(kv, x @ W[p + "self_attn.kv_a_proj_with_mqa.weight"].T)
