@@ -151,7 +151,10 @@ def check_output_path(flag: str, path: str) -> None:
     except OSError as e:
         raise ValueError(f"{flag} {path}: cannot write there ({e.strerror.lower()})") from None
     if not existed:
-        os.remove(path)
+        try:
+            os.remove(path)
+        except FileNotFoundError:   # under torchrun every rank probes: another removed it first
+            pass
 
 
 def check_cache_memory(a, margs: M.ModelArgs, dargs, device: torch.device, dtype: torch.dtype, batch: int) -> None:
