@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import stat
 import sys
 
@@ -182,6 +183,7 @@ def main(argv=None) -> int:
     --trace page of the steps so far). Under torchrun the ranks exit 0 after an error's line: torchrun answers a
     worker's non-zero exit with a traceback of its own."""
     a = None
+    signal.signal(signal.SIGINT, signal.default_int_handler)   # Ctrl-C: KeyboardInterrupt from here on
     try:
         a = build_parser().parse_args(argv)
         rc = _main(a)

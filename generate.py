@@ -20,6 +20,7 @@ step, beside the loop: autobudget.py. The command line is cli.py; `python genera
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import warnings
@@ -27,6 +28,9 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
+if __name__ == "__main__":    # Ctrl-C while torch imports, before cli.main takes over: one line
+    signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted (Ctrl-C)", file=sys.stderr),
+                                             os._exit(130)))
 import torch
 
 import autobudget as A

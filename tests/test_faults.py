@@ -759,6 +759,25 @@ def test_sigint_from_the_shell(ckpt, tmp_path):
     assert b"tokens in" not in seen + out and page.exists() and "DDTree trace" in page.read_text()
 
 
+def test_sigint_while_torch_imports():
+    """Ctrl-C in the first second, while `import torch` runs (before cli.main): one line, exit 130, no
+    traceback. The signal goes once torch's library is mapped into the process, mid-import."""
+    p = subprocess.Popen([sys.executable, "-u", "generate.py", "--raw", "--prompt", "x"], cwd=ROOT, env=CPU_ENV,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 60
+        while "libtorch" not in open(f"/proc/{p.pid}/maps").read():
+            assert time.time() < deadline and p.poll() is None
+            time.sleep(0.005)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert one_line(p.returncode, err.decode(), "interrupted (Ctrl-C)", rc=130), err
+
+
 def test_stdout_closed_by_the_reader():
     """`generate.py ... | head -c 20`: the process stops quietly when its reader goes (exit 141, as a shell tool
     killed by SIGPIPE), no 'Broken pipe' error, no 'Exception ignored' at exit."""
