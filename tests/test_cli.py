@@ -19,7 +19,7 @@ import generate as G
 import model as M
 import tiny
 import tree as T
-from tokenizer import KIMI_SPECIAL_TOKENS, Tokenizer, write_chat_template, write_tiktoken_model, write_tokenizer_config
+from tokenizer import Tokenizer
 
 VOCAB = 512     # 256 byte tokens + 256 special ids, as the real K2.6 layout (163584 + 256)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,17 +28,9 @@ CPU_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cli")
     # moe_intermediate_size 64: the target splits over 2 ranks (x group size 32), for the torchrun test
-    ref = tiny.write_k26(d, tiny.text_config(vocab_size=VOCAB, moe_intermediate_size=64), seed=9)
-    write_tiktoken_model(d / "tiktoken.model", {bytes([i]): i for i in range(256)})
-    write_tokenizer_config(d / "tokenizer_config.json", KIMI_SPECIAL_TOKENS(256))
-    write_chat_template(d)
-    cfg = D.tiny_draft_config(ref.args)
-    drafter = D.DFlashDrafter(D.DraftArgs.from_config(cfg))
-    tiny.randomize_(drafter, seed=4, std=0.2)          # not torch.empty's bytes: the loader refuses NaN / inf
-    D.write_drafter(str(d / "draft"), drafter, cfg)
-    return d
+    cfg = tiny.text_config(vocab_size=VOCAB, moe_intermediate_size=64)
+    return tiny.write_cli_pair(tmp_path_factory.mktemp("cli"), cfg, seed=9)
 
 
 def run(capsys, *argv):

@@ -37,16 +37,7 @@ CPU_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A tiny K2.6-layout target with a Kimi-layout tokenizer and chat template, and its drafter in draft/."""
-    d = tmp_path_factory.mktemp("faults")
-    ref = tiny.write_k26(d, tiny.text_config(vocab_size=VOCAB), seed=3)
-    write_tiktoken_model(d / "tiktoken.model", {bytes([i]): i for i in range(256)})
-    write_tokenizer_config(d / "tokenizer_config.json", KIMI_SPECIAL_TOKENS(256))
-    write_chat_template(d)
-    cfg = D.tiny_draft_config(ref.args)
-    drafter = D.DFlashDrafter(D.DraftArgs.from_config(cfg))
-    tiny.randomize_(drafter, seed=4, std=0.2)          # not torch.empty's bytes: the loader refuses NaN / inf
-    D.write_drafter(str(d / "draft"), drafter, cfg)
-    return d
+    return tiny.write_cli_pair(tmp_path_factory.mktemp("faults"), tiny.text_config(vocab_size=VOCAB), seed=3)
 
 
 def copy_of(ckpt, tmp_path, name="ck"):
@@ -147,7 +138,13 @@ TARGET_CASES = [   # (field path, bad value, words the error must hold)
 
 @pytest.mark.parametrize("field,value,words", TARGET_CASES, ids=[f"{f}={v!r}" for f, v, _ in TARGET_CASES])
 def test_bad_target_config_names_file_and_field(tmp_path, field, value, words):
-    cfg = tiny.text_config()
+    msg = config_error(tmp_path, tiny.text_config(), field, value, M.ModelArgs.from_config)
+    assert field.split(".")[-1] in msg and words in msg, msg
+
+
+def config_error(tmp_path, cfg: dict, field: str, value, read) -> str:
+    """cfg with field (dotted: nested objects) set to value, written as tmp_path/config.json and read:
+    the one-line error, which names the file."""
     *parents, key = field.split(".")
     obj = cfg
     for p in parents:
@@ -156,9 +153,10 @@ def test_bad_target_config_names_file_and_field(tmp_path, field, value, words):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError) as e:
-        M.ModelArgs.from_config(str(tmp_path))
+        read(str(tmp_path))
     msg = str(e.value)
-    assert str(path) in msg and key in msg and words in msg and "\n" not in msg, msg
+    assert str(path) in msg and "\n" not in msg, msg
+    return msg
 
 
 @pytest.mark.parametrize("edit,words", [
@@ -248,17 +246,7 @@ DRAFT_CASES = [
 @pytest.mark.parametrize("field,value,words", DRAFT_CASES, ids=[f"{f}={v!r}" for f, v, _ in DRAFT_CASES])
 def test_bad_drafter_config_names_file_and_field(tmp_path, field, value, words):
     cfg = D.tiny_draft_config(M.ModelArgs.from_config(tiny.text_config()))
-    *parents, key = field.split(".")
-    obj = cfg
-    for p in parents:
-        obj = obj[p]
-    obj[key] = value
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
-    with pytest.raises(ValueError) as e:
-        D.DraftArgs.from_config(str(tmp_path))
-    msg = str(e.value)
-    assert str(path) in msg and words in msg and "\n" not in msg, msg
+    assert words in config_error(tmp_path, cfg, field, value, D.DraftArgs.from_config)
 
 
 def test_drafter_block_size_must_fit_the_target():
@@ -742,19 +730,14 @@ def test_sigint_from_the_shell(ckpt, tmp_path):
                           "--prompt-ids", "1,2,3", "--raw", "--max-new-tokens", "3000", "--max-seq-len", "3100",
                           "--trace", str(page), "--quiet"], cwd=ROOT, env=CPU_ENV, stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        seen = b""
-        deadline = time.time() + 240
-        while b"]\n" not in seen or len(seen.split(b"]\n", 1)[1]) < 5:     # loaded, then a few tokens
-            assert time.time() < deadline and p.poll() is None, seen
-            seen += os.read(p.stdout.fileno(), 4096)
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    err = err.decode()
+    seen = []
+
+    def streaming() -> bool:        # loaded, then a few tokens
+        seen.append(os.read(p.stdout.fileno(), 4096))
+        text = b"".join(seen)
+        return b"]\n" in text and len(text.split(b"]\n", 1)[1]) >= 5
+    out, err = sigint_when(p, streaming, 240)
+    seen = b"".join(seen)
     assert one_line(p.returncode, err, "interrupted (Ctrl-C)", rc=130), err
     assert b"tokens in" not in seen + out and page.exists() and "DDTree trace" in page.read_text()
 
@@ -764,18 +747,25 @@ def test_sigint_while_torch_imports():
     traceback. The signal goes once torch's library is mapped into the process, mid-import."""
     p = subprocess.Popen([sys.executable, "-u", "generate.py", "--raw", "--prompt", "x"], cwd=ROOT, env=CPU_ENV,
                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, err = sigint_when(p, lambda: "libtorch" in open(f"/proc/{p.pid}/maps").read(), 60)
+    assert one_line(p.returncode, err, "interrupted (Ctrl-C)", rc=130), err
+
+
+def sigint_when(p: subprocess.Popen, ready, timeout: float) -> tuple[bytes, str]:
+    """Send process p a real SIGINT once ready() holds (polled); its remaining stdout and its
+    stderr. p is killed if it outlives the test."""
     try:
-        deadline = time.time() + 60
-        while "libtorch" not in open(f"/proc/{p.pid}/maps").read():
+        deadline = time.time() + timeout
+        while not ready():
             assert time.time() < deadline and p.poll() is None
             time.sleep(0.005)
         p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=60)
+        out, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    assert one_line(p.returncode, err.decode(), "interrupted (Ctrl-C)", rc=130), err
+    return out, err.decode()
 
 
 def test_stdout_closed_by_the_reader():
