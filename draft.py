@@ -4,26 +4,28 @@ Decoding", arXiv 2602.06036), loaded from the public checkpoints (z-lab/Kimi-K2.
 
     python -m pytest -q tests/test_draft.py   # drafter == plain equations; cached == plain forward
 
-One forward drafts a whole block: the input is [last committed token, MASK x (block_size-1)] embedded
-with the *target's* embedding; every drafter layer attends, non-causally, over K/V projected from fused
-target hidden states ("context features": the outputs of the target layers in target_layer_ids) plus
-the block's own K/V. The output goes through the *target's* lm_head. The drafter has no embedding and
-no lm_head of its own. Positions: context row j sits at position j, the block at ctx_len + n_new + i.
+One forward drafts a whole block: the input is [last committed token, MASK x (block_size-1)]
+embedded with the *target's* embedding; every drafter layer attends, non-causally, over K/V
+projected from fused target hidden states ("context features": the outputs of the target layers in
+target_layer_ids) plus the block's own K/V. The output goes through the *target's* lm_head. The
+drafter has no embedding and no lm_head of its own. Positions: context row j sits at position j, the
+block at ctx_len + n_new + i.
 
 The plain forward (DFlashDrafter.plain_forward) says exactly that: each layer concatenates the
 context's K/V and the block's and runs one masked attention. It is the reference; train.py trains
-through it. The decode step runs the cached forward (DFlashDrafter.forward), equal to it:
-the per-layer context K/V cache filled incrementally (each round appends only the features
-of the tokens committed last round, at slots ctx_len..) equals recomputing it from all context
-features at once. The block's own K/V pass through the slots right after the context (one cache, one
-attention over it, no concatenation) and are overwritten by the next round's context rows. The drafter
-never sees rejected branches: the caller passes features of accepted tokens only, and a row's stale slots
->= ctx_len are overwritten before they become visible.
+through it. The decode step runs the cached forward (DFlashDrafter.forward), equal to it: the
+per-layer context K/V cache filled incrementally (each round appends only the features of the tokens
+committed last round, at slots ctx_len..) equals recomputing it from all context features at once.
+The block's own K/V pass through the slots right after the context (one cache, one attention over
+it, no concatenation) and are overwritten by the next round's context rows. The drafter never sees
+rejected branches: the caller passes features of accepted tokens only, and a row's stale
+slots >= ctx_len are overwritten before they become visible.
 
-Tensor parallel (torchrun), like the target: each rank holds 1/world_size of the drafter's heads, of its
-intermediate rows and of fc's input columns, and only its own kv heads in the context cache. Replicating it
-would be simpler, but the Kimi drafter is ~3.5B params (6.5 GB bf16), which every draft step would then read in
-full on every GPU; split 8 ways a rank reads ~0.8 GB and pays 2 all-reduces per layer + 1 (DFlashDrafter.forward).
+Tensor parallel (torchrun), like the target: each rank holds 1/world_size of the drafter's heads, of
+its intermediate rows and of fc's input columns, and only its own kv heads in the context cache.
+Replicating it would be simpler, but the Kimi drafter is ~3.5B params (6.5 GB bf16), which every
+draft step would then read in full on every GPU; split 8 ways a rank reads ~0.8 GB and pays 2
+all-reduces per layer + 1 (DFlashDrafter.forward).
 
 Reading order: DraftArgs; Attention, Layer (plain or cached); DFlashDrafter (plain_forward, forward,
 draft_logits); the cached forward's two ops with a fast path (qkv_norm_rope, block_attention: plain
@@ -51,8 +53,9 @@ from model import RMSNorm
 
 
 # ----------------------------------------------------------------------------------------------
-# Config: a Qwen3Config plus block_size, num_target_layers, dflash_config{mask_token_id, target_layer_ids}
-# (parsed and checked by _draft_args_from_dict, in the checkpoint I/O at the end of the file)
+# Config: a Qwen3Config plus block_size, num_target_layers, dflash_config{mask_token_id,
+# target_layer_ids} (parsed and checked by _draft_args_from_dict, in the checkpoint I/O at the end
+# of the file)
 
 
 @dataclass
@@ -79,7 +82,8 @@ class DraftArgs:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     rope_truncate: bool = True
-    rope_attention_factor: float | None = None   # explicit cos/sin amplitude; None: 1 + 0.1 ln(factor)
+    # explicit cos/sin amplitude; None: 1 + 0.1 ln(factor)
+    rope_attention_factor: float | None = None
     # newer z-lab fields, absent from the Kimi files (then identity)
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
@@ -95,9 +99,10 @@ class DraftArgs:
 
 
 # ----------------------------------------------------------------------------------------------
-# Layers, tensor-parallel like model.py: q/k/v_proj and gate/up_proj column-parallel (whole heads, slices of
-# the intermediate rows), o_proj, down_proj and fc row-parallel, each followed by an all_reduce at its call
-# site (only when world_size > 1). Norms and rope are replicated. The MLP is model.DenseMLP itself.
+# Layers, tensor-parallel like model.py: q/k/v_proj and gate/up_proj column-parallel (whole heads,
+# slices of the intermediate rows), o_proj, down_proj and fc row-parallel, each followed by an
+# all_reduce at its call site (only when world_size > 1). Norms and rope are replicated. The MLP is
+# model.DenseMLP itself.
 
 
 class Linear(M.Linear):
@@ -125,14 +130,14 @@ class Linear(M.Linear):
 
 
 class Attention(nn.Module):
-    """Column-parallel by heads: rank r holds q heads [r*H/ws, (r+1)*H/ws) and kv heads [r*KV/ws, ...), the
-    kv heads those q heads share (GQA groups are contiguous), so attention needs no communication; o_proj
-    is row-parallel and one all_reduce sums the heads' partial outputs."""
+    """Column-parallel by heads: rank r holds q heads [r*H/ws, (r+1)*H/ws) and kv heads
+    [r*KV/ws, ...), the kv heads those q heads share (GQA groups are contiguous), so attention needs
+    no communication; o_proj is row-parallel and one all_reduce sums the heads' partial outputs."""
 
     def __init__(self, a: DraftArgs):
         super().__init__()
         H, KV, self.hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.n_heads, self.n_kv = H // M.world_size, KV // M.world_size                   # local heads
+        self.n_heads, self.n_kv = H // M.world_size, KV // M.world_size          # local heads
         D, b = a.hidden_size, a.attention_bias
         # q, k and v of the context and block rows: the three weights stacked, one GEMM
         rows = {"q_proj": H * self.hd, "k_proj": KV * self.hd, "v_proj": KV * self.hd}
@@ -144,8 +149,8 @@ class Attention(nn.Module):
     def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> roped K, V [B, T, n_kv, hd] of context rows alone (append_context)."""
         B, T, _ = x.shape
-        kv = self.qkv_proj(x, rows=slice(self.n_heads * self.hd, None))            # [B, T, 2KV hd]
-        k, v = kv.view(B, T, 2 * self.n_kv, self.hd).chunk(2, dim=2)            # [B, T, KV, hd] each
+        kv = self.qkv_proj(x, rows=slice(self.n_heads * self.hd, None))   # [B, T, 2KV hd]
+        k, v = kv.view(B, T, 2 * self.n_kv, self.hd).chunk(2, dim=2)     # [B, T, KV, hd] each
         return M.rope(self.k_norm(k), cos, sin, interleaved=False), v
 
     def forward(self, x, f, cos, sin, mask=None, cache: BlockCache | None = None) -> torch.Tensor:
@@ -158,21 +163,21 @@ class Attention(nn.Module):
         cache: every row's K/V goes to the cache at cache.slots, then the block reads its first
           prefix + N slots (qkv_norm_rope and block_attention, one kernel each on a GPU)."""
         B, n = x.shape[0], f.shape[1]
-        x = torch.cat([f, x], 1)                                                # [B, n + N, D]
-        qkv = self.qkv_proj(x)                                                  # [B, n+N, (H+2KV) hd]
+        x = torch.cat([f, x], 1)                                             # [B, n + N, D]
+        qkv = self.qkv_proj(x)                                               # [B, n+N, (H+2KV) hd]
         if cache is None:
-            o = self._plain_attention(qkv, cos, sin, mask, n)                   # [B, N, H, hd]
+            o = self._plain_attention(qkv, cos, sin, mask, n)                # [B, N, H, hd]
         else:
-            k_cache, v_cache = cache.kv                                     # [Bmax, slots, KV, hd]
+            k_cache, v_cache = cache.kv                                      # [Bmax, slots, KV, hd]
             q = qkv_norm_rope(qkv, self.n_heads, self.n_kv, self.q_norm.weight, self.k_norm.weight,
                               self.q_norm.eps, cos, sin, k_cache, v_cache, cache.slots,
-                              q_start=n)                                        # [B, N, H, hd]
+                              q_start=n)                                     # [B, N, H, hd]
             S = cache.S
             o = block_attention(q, k_cache[:B, :S], v_cache[:B, :S], cache.prefix,
-                                self.hd ** -0.5)                                # [B, N, H, hd]
-        y = self.o_proj(o.flatten(2))                                           # [B, N, D]
+                                self.hd ** -0.5)                             # [B, N, H, hd]
+        y = self.o_proj(o.flatten(2))                                        # [B, N, D]
         if M.world_size > 1:
-            dist.all_reduce(y)                  # o_proj is row-parallel: sum the heads' partial outputs
+            dist.all_reduce(y)      # o_proj is row-parallel: sum the heads' partial outputs
         return y
 
     def _plain_attention(self, qkv, cos, sin, mask, n: int) -> torch.Tensor:
@@ -203,7 +208,8 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = Attention(a)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = M.DenseMLP(a.hidden_size, a.intermediate_size)   # Qwen3's SwiGLU is the target's dense MLP
+        # Qwen3's SwiGLU is the target's dense MLP
+        self.mlp = M.DenseMLP(a.hidden_size, a.intermediate_size)
 
     def forward(self, h, f, cos, sin, mask=None, cache: BlockCache | None = None) -> torch.Tensor:
         """h [B, N, D]: the block's residual stream; f [B, n, D]: the context rows (see
@@ -224,10 +230,13 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.layers = nn.ModuleList(Layer(args) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.ctx_cache = None    # [n_layers, 2 (K, V), Bmax, max_ctx + 2 bs, local n_kv, hd], allocated by setup_cache
+        # [n_layers, 2 (K, V), Bmax, max_ctx + 2 bs, local n_kv, hd], allocated by setup_cache
+        self.ctx_cache = None
         self.max_ctx_len = 0
-        self.rope_cos = self.rope_sin = None    # [slots, hd] in the weights' dtype, set by setup_cache
-        self.ids = None          # 0, 1, 2, ...: slices of it are the step's slot and row numbers (no arange kernels)
+        # [slots, hd] in the weights' dtype, set by setup_cache
+        self.rope_cos = self.rope_sin = None
+        # 0, 1, 2, ...: slices of it are the step's slot and row numbers (no arange kernels)
+        self.ids = None
 
     block_size = property(lambda self: self.args.block_size)
     mask_token_id = property(lambda self: self.args.mask_token_id)
@@ -265,92 +274,105 @@ class DFlashDrafter(nn.Module):
         return M.rope_cos_sin(inv_freq, amp, positions, dtype, interleaved=False)
 
     @staticmethod
-    def cache_shape(a: DraftArgs, max_batch_size: int, max_ctx_len: int, n_kv: int) -> tuple[int, ...]:
-        """[layers, K/V, batch, slots, n_kv (this rank's kv heads), head_dim]: the context's slots, then two blocks."""
+    def cache_shape(a: DraftArgs, max_batch_size: int, max_ctx_len: int,
+                    n_kv: int) -> tuple[int, ...]:
+        """[layers, K/V, batch, slots, n_kv (this rank's kv heads), head_dim]: the context's slots,
+        then two blocks."""
         S = max_ctx_len + 2 * a.block_size
         return a.num_hidden_layers, 2, max_batch_size, S, n_kv, a.head_dim
 
     def setup_cache(self, max_batch_size: int, max_ctx_len: int) -> None:
-        """Room for max_ctx_len context rows per sequence, plus 2 x block_size slots past them: the block's own K/V
-        (written at the slots after the context, where the next call's context rows overwrite them) and the padding
-        rows of a fixed-shape step (up to block_size of them, parked past the block so they never collide with it)."""
+        """Room for max_ctx_len context rows per sequence, plus 2 x block_size slots past them: the
+        block's own K/V (written at the slots after the context, where the next call's context rows
+        overwrite them) and the padding rows of a fixed-shape step (up to block_size of them, parked
+        past the block so they never collide with it)."""
         a, w = self.args, self.fc.weight
         self.max_ctx_len = max_ctx_len
         shape = self.cache_shape(a, max_batch_size, max_ctx_len, self.layers[0].self_attn.n_kv)
         S = shape[3]
-        self.ctx_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)                # [layers, K/V, B, S, KV, hd]
+        # [layers, K/V, B, S, KV, hd]
+        self.ctx_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
         self.ids = torch.arange(max(max_batch_size, S), device=w.device)
-        # cos / sin of every slot's position (a row's slot is its position), computed once: a forward gathers its
-        # rows' instead of recomputing them (the same elementwise ops, so the same values; 2 launches, not ~11)
+        # cos / sin of every slot's position (a row's slot is its position), computed once: a
+        # forward gathers its rows' instead of recomputing them (the same elementwise ops, so the
+        # same values; 2 launches, not ~11)
         cos, sin = self.rope_cos_sin(self.ids[None, :S], w.dtype)                    # [1, S, hd]
         self.rope_cos, self.rope_sin = cos[0], sin[0]                                # [S, hd] each
 
     def _check_room(self, ctx_len: int, n_new: int) -> None:
         if ctx_len + n_new > self.max_ctx_len:
-            raise ValueError(f"drafter context overflow: ctx_len {ctx_len} + {n_new} new rows > max_ctx_len "
-                             f"{self.max_ctx_len}")
+            raise ValueError(f"drafter context overflow: ctx_len {ctx_len} + {n_new} new rows > "
+                             f"max_ctx_len {self.max_ctx_len}")
 
     def fuse(self, ctx_feats: torch.Tensor) -> torch.Tensor:
-        """Context features [B, n, n_taps*D] -> hidden_norm(fc(.)) [B, n, D]. fc is row-parallel: every rank
-        has all the features (the target's residual stream is replicated), multiplies its slice of the input
-        columns, and one all_reduce sums the partial products."""
-        w = self.fc.weight                                                                # [D, fc_in/ws]
-        x = ctx_feats.narrow(-1, M.rank * w.shape[1], w.shape[1]).to(w.dtype)            # ws 1: all columns
+        """Context features [B, n, n_taps*D] -> hidden_norm(fc(.)) [B, n, D]. fc is row-parallel:
+        every rank has all the features (the target's residual stream is replicated), multiplies its
+        slice of the input columns, and one all_reduce sums the partial products."""
+        w = self.fc.weight                                                     # [D, fc_in/ws]
+        x = ctx_feats.narrow(-1, M.rank * w.shape[1], w.shape[1]).to(w.dtype)  # ws 1: all columns
         f = self.fc(x)
         if M.world_size > 1:
             dist.all_reduce(f)
         return self.hidden_norm(f)
 
     @torch.no_grad()
-    def forward(self, block_embeds: torch.Tensor, ctx_feats: torch.Tensor, ctx_len, n_valid=None) -> torch.Tensor:
-        """block_embeds [B, bs, D]; ctx_feats [B, n_new, n_taps*D]: features of the tokens at positions
-        ctx_len .. ctx_len+n_new-1 (committed since the last call), appended to the context cache.
-        ctx_len: int, or LongTensor [B] (per-row cache length; then every row's attention covers the whole
-        cache, each row reading only its own slots < ctx_len+n_new+bs: fixed shapes, no host sync). Returns the
-        normalized hidden states [B, bs, D] of the block at positions ctx_len+n_new ...+bs-1. With a tensor
-        ctx_len the caller keeps ctx_len + n_new <= max_ctx_len (not checked: that would sync the host).
-        n_valid: LongTensor [B] (with a tensor ctx_len): only the first n_valid rows of ctx_feats are real
-        context (fixed-shape CUDA-graph steps pad to n_new <= bs rows); the padding rows are written past the
-        block's slots, stay invisible, and later calls overwrite them.
-        Under TP a forward makes 2 * num_hidden_layers + 1 all-reduces: fc, then o_proj and down_proj per
-        layer; the context K/V need none (each rank projects and caches its own kv heads)."""
+    def forward(self, block_embeds: torch.Tensor, ctx_feats: torch.Tensor, ctx_len,
+                n_valid=None) -> torch.Tensor:
+        """block_embeds [B, bs, D]; ctx_feats [B, n_new, n_taps*D]: features of the tokens at
+        positions ctx_len .. ctx_len+n_new-1 (committed since the last call), appended to the
+        context cache.
+        ctx_len: int, or LongTensor [B] (per-row cache length; then every row's attention covers the
+        whole cache, each row reading only its own slots < ctx_len+n_new+bs: fixed shapes, no host
+        sync). Returns the normalized hidden states [B, bs, D] of the block at positions
+        ctx_len+n_new ...+bs-1. With a tensor ctx_len the caller keeps
+        ctx_len + n_new <= max_ctx_len (not checked: that would sync the host).
+        n_valid: LongTensor [B] (with a tensor ctx_len): only the first n_valid rows of ctx_feats
+        are real context (fixed-shape CUDA-graph steps pad to n_new <= bs rows); the padding rows
+        are written past the block's slots, stay invisible, and later calls overwrite them.
+        Under TP a forward makes 2 * num_hidden_layers + 1 all-reduces: fc, then o_proj and
+        down_proj per layer; the context K/V need none (each rank projects and caches its own kv
+        heads)."""
         if self.ctx_cache is None:
-            raise RuntimeError("call setup_cache(max_batch_size, max_ctx_len) before the drafter forward")
+            raise RuntimeError("call setup_cache(max_batch_size, max_ctx_len) "
+                               "before the drafter forward")
         B, bs, _ = block_embeds.shape
         n_new, dev = ctx_feats.shape[1], block_embeds.device
         if isinstance(ctx_len, int):
             self._check_room(ctx_len, n_new)
-            start = torch.full((B,), ctx_len, dtype=torch.long, device=dev)               # [B]
-            S = ctx_len + n_new + bs                      # eager: read only the live slots and the block
+            start = torch.full((B,), ctx_len, dtype=torch.long, device=dev)  # [B]
+            S = ctx_len + n_new + bs            # eager: read only the live slots and the block
         else:
-            start = ctx_len.to(dev, torch.long)                                           # [B]
+            start = ctx_len.to(dev, torch.long)                              # [B]
             S = self.max_ctx_len + bs
         if n_valid is not None and n_new > bs:
-            raise ValueError(f"{n_new} padded context rows: at most block_size {bs} (the cache parks that many)")
-        live = start + (n_new if n_valid is None else n_valid)                            # [B] context after append
+            raise ValueError(f"{n_new} padded context rows: at most block_size {bs} "
+                             "(the cache parks that many)")
+        live = start + (n_new if n_valid is None else n_valid)            # [B] context after append
         ids = self.ids
-        # each row's cache slot = its rope position: the new context rows at start.., the block right after them at
-        # live..; padding rows (i >= n_valid) are moved bs slots up, past the block, where nothing reads them
-        ctx_slots = start[:, None] + ids[:n_new]                                          # [B, n_new]
+        # each row's cache slot = its rope position: the new context rows at start.., the block
+        # right after them at live..; padding rows (i >= n_valid) are moved bs slots up, past the
+        # block, where nothing reads them
+        ctx_slots = start[:, None] + ids[:n_new]                          # [B, n_new]
         if n_valid is not None:
             ctx_slots = ctx_slots + bs * (ids[:n_new] >= n_valid[:, None])
-        slots = torch.cat([ctx_slots, live[:, None] + ids[:bs]], dim=1)                  # [B, n_new + bs]
+        slots = torch.cat([ctx_slots, live[:, None] + ids[:bs]], dim=1)   # [B, n_new + bs]
         dtype = self.fc.weight.dtype
-        cos, sin = self.rope_cos[slots], self.rope_sin[slots]                             # [B, n_new + bs, hd]
-        f = self.fuse(ctx_feats)                                                          # [B, n_new, D]
-        h = block_embeds.to(dtype)                                                   # [B, bs, D]
+        cos, sin = self.rope_cos[slots], self.rope_sin[slots]             # [B, n_new + bs, hd]
+        f = self.fuse(ctx_feats)                                          # [B, n_new, D]
+        h = block_embeds.to(dtype)                                        # [B, bs, D]
         for i, layer in enumerate(self.layers):
             h = layer(h, f, cos, sin, cache=BlockCache(self.ctx_cache[i], slots, live, S))
         return self.norm(h)
 
     @torch.no_grad()
     def append_context(self, ctx_feats: torch.Tensor, ctx_len: int, row: int = 0) -> None:
-        """Write context rows' K/V without drafting (the prompt, before fixed-shape steps take over) into
-        cache rows row .. row+B-1."""
+        """Write context rows' K/V without drafting (the prompt, before fixed-shape steps take over)
+        into cache rows row .. row+B-1."""
         self._check_room(ctx_len, ctx_feats.shape[1])
-        f = self.fuse(ctx_feats)                                                          # [B, n, D]
+        f = self.fuse(ctx_feats)                                          # [B, n, D]
         B, n, _ = f.shape
-        cos, sin = (t[None, ctx_len:ctx_len + n].expand(B, n, -1) for t in (self.rope_cos, self.rope_sin))  # [B, n, hd]
+        cos, sin = (t[None, ctx_len:ctx_len + n].expand(B, n, -1)
+                    for t in (self.rope_cos, self.rope_sin))              # [B, n, hd]
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(f, cos, sin)
             self.ctx_cache[i, 0, row:row + B, ctx_len:ctx_len + n] = k
@@ -359,17 +381,19 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def draft_logits(self, target: M.Transformer, last_token: torch.Tensor, ctx_feats: torch.Tensor,
                      ctx_len, n_valid=None) -> torch.Tensor:
-        """last_token [B] (last committed / bonus token) -> fp32 logits [B, bs-1, V] for the block_size-1
-        tokens after it, in global vocab order. Under TP: the forward's all-reduces, plus the target's
-        embedding all-reduce and lm_head all-gather."""
+        """last_token [B] (last committed / bonus token) -> fp32 logits [B, bs-1, V] for the
+        block_size-1 tokens after it, in global vocab order. Under TP: the forward's all-reduces,
+        plus the target's embedding all-reduce and lm_head all-gather."""
         a, B = self.args, last_token.shape[0]
-        block = torch.full((B, a.block_size), a.mask_token_id, dtype=torch.long, device=last_token.device)
-        block[:, 0] = last_token          # slot 0 must be the real token (MASK there collapses acceptance)
-        x = target.embed_tokens(block)                                                   # [B, bs, D]
+        block = torch.full((B, a.block_size), a.mask_token_id, dtype=torch.long,
+                           device=last_token.device)
+        # slot 0 must be the real token (MASK there collapses acceptance)
+        block[:, 0] = last_token
+        x = target.embed_tokens(block)                                    # [B, bs, D]
         if a.input_embedding_scale != 1.0:
             x = x * a.input_embedding_scale
-        h = self.forward(x, ctx_feats, ctx_len, n_valid)                                 # [B, bs, D]
-        logits = target.head(h[:, 1:].to(target.lm_head.weight.dtype))                   # [B, bs-1, V]
+        h = self.forward(x, ctx_feats, ctx_len, n_valid)                  # [B, bs, D]
+        logits = target.head(h[:, 1:].to(target.lm_head.weight.dtype))   # [B, bs-1, V]
         if a.output_multiplier != 1.0:
             logits = logits * a.output_multiplier
         if a.final_logit_softcapping:
@@ -383,46 +407,55 @@ class DFlashDrafter(nn.Module):
 
 
 @kernels.fast
-def qkv_norm_rope(qkv, n_heads: int, n_kv: int, q_weight, k_weight, eps: float, cos, sin, k_cache, v_cache, slots,
-                  q_start: int, interleaved: bool = False) -> torch.Tensor:
-    """qkv [B, T, (H + 2 KV) hd]: the fused q|k|v projection of T rows. Every row's key, RMS-normed per head
-    (k_norm) and rotated, and its value go to k_cache / v_cache [Bmax, S, KV, hd] at (b, slots[b, t]); returns
-    the queries of rows t >= q_start, q_norm'ed and rotated, [B, T - q_start, H, hd]. cos / sin [B, T, hd]
-    (rope_cos_sin; Qwen3's halves unless interleaved)."""
+def qkv_norm_rope(qkv, n_heads: int, n_kv: int, q_weight, k_weight, eps: float, cos, sin, k_cache,
+                  v_cache, slots, q_start: int, interleaved: bool = False) -> torch.Tensor:
+    """qkv [B, T, (H + 2 KV) hd]: the fused q|k|v projection of T rows. Every row's key, RMS-normed
+    per head (k_norm) and rotated, and its value go to k_cache / v_cache [Bmax, S, KV, hd] at
+    (b, slots[b, t]); returns the queries of rows t >= q_start, q_norm'ed and rotated,
+    [B, T - q_start, H, hd]. cos / sin [B, T, hd] (rope_cos_sin; Qwen3's halves unless
+    interleaved)."""
     B = qkv.shape[0]
-    q, k, v = qkv.unflatten(-1, (n_heads + 2 * n_kv, -1)).split([n_heads, n_kv, n_kv], dim=2)  # [B, T, heads, hd]
-    rows = torch.arange(B, device=qkv.device)[:, None]                                          # [B, 1]
+    # [B, T, heads, hd]
+    q, k, v = qkv.unflatten(-1, (n_heads + 2 * n_kv, -1)).split([n_heads, n_kv, n_kv], dim=2)
+    rows = torch.arange(B, device=qkv.device)[:, None]                                # [B, 1]
     k_cache[rows, slots] = M.rope(M.rms_norm(k, k_weight, eps), cos, sin, interleaved)
     v_cache[rows, slots] = v
-    return M.rope(M.rms_norm(q[:, q_start:], q_weight, eps), cos[:, q_start:], sin[:, q_start:], interleaved)
+    return M.rope(M.rms_norm(q[:, q_start:], q_weight, eps), cos[:, q_start:], sin[:, q_start:],
+                  interleaved)
 
 
 @kernels.fast
-def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=None) -> torch.Tensor:
-    """The block's attention: q [B, T, H, hd] (the T block tokens' queries), k_cache / v_cache [B, S, KV, hd]
-    (GQA: query head h reads kv head h // (H / KV)); row b sees its keys s < prefix_len[b] + T, the context then
-    the block itself, with no mask -> [B, T, H, hd]. softmax(q k^T * scale) v in fp32 (as flash attention
-    computes it), cast back to q's dtype: two matmuls, the G = H / KV query heads of a kv head stacked as the
-    rows of one. (Not F.scaled_dot_product_attention: with a mask and this few query rows per head it may pick a
-    cuDNN kernel that spreads the little work over few blocks.)"""
+def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float,
+                    out=None) -> torch.Tensor:
+    """The block's attention: q [B, T, H, hd] (the T block tokens' queries), k_cache / v_cache
+    [B, S, KV, hd] (GQA: query head h reads kv head h // (H / KV)); row b sees its keys
+    s < prefix_len[b] + T, the context then the block itself, with no mask -> [B, T, H, hd].
+    softmax(q k^T * scale) v in fp32 (as flash attention computes it), cast back to q's dtype: two
+    matmuls, the G = H / KV query heads of a kv head stacked as the rows of one. (Not
+    F.scaled_dot_product_attention: with a mask and this few query rows per head it may pick a cuDNN
+    kernel that spreads the little work over few blocks.)"""
     B, T, H, hd = q.shape
     S, KV = k_cache.shape[1], k_cache.shape[2]
-    qg = q.float().transpose(1, 2).reshape(B, KV, H // KV * T, hd)                       # [B, KV, G*T, hd]
-    s = torch.matmul(qg, k_cache.float().transpose(1, 2).transpose(-1, -2)) * softmax_scale   # [B, KV, G*T, S]
-    visible = torch.arange(S, device=q.device) < (prefix_len + T)[:, None]             # [B, S]
+    qg = q.float().transpose(1, 2).reshape(B, KV, H // KV * T, hd)           # [B, KV, G*T, hd]
+    # [B, KV, G*T, S]
+    s = torch.matmul(qg, k_cache.float().transpose(1, 2).transpose(-1, -2)) * softmax_scale
+    visible = torch.arange(S, device=q.device) < (prefix_len + T)[:, None]   # [B, S]
     s = s.masked_fill(~visible[:, None, None], float("-inf"))
-    o = torch.matmul(s.softmax(-1), v_cache.float().transpose(1, 2)).view(B, H, T, hd).transpose(1, 2)
-    o = o.to(q.dtype)                                                                   # [B, T, H, hd]
+    o = torch.matmul(s.softmax(-1), v_cache.float().transpose(1, 2))         # [B, KV, G*T, hd]
+    o = o.view(B, H, T, hd).transpose(1, 2)
+    o = o.to(q.dtype)                                                         # [B, T, H, hd]
     return o if out is None else out.copy_(o)
 
 
 # ==============================================================================================
-# Checkpoint I/O: config parsing and checks, the safetensors loader, the writer, a tiny config for tests.
-# Checkpoints are config.json + model.safetensors (or index + shards), unprefixed names like the public ones.
+# Checkpoint I/O: config parsing and checks, the safetensors loader, the writer, a tiny config for
+# tests. Checkpoints are config.json + model.safetensors (or index + shards), unprefixed names like
+# the public ones.
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DFlash's default taps: evenly spaced from layer 1 to layer T-3 (Python round, as upstream)."""
+    """DFlash's default taps: evenly spaced from layer 1 to layer T-3 (Python round, as
+    upstream)."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     span = num_target_layers - 4
@@ -490,30 +523,38 @@ def check_compatible(d: DraftArgs, t: M.ModelArgs) -> None:
     T = t.num_hidden_layers
     for i in d.target_layer_ids:
         if not 0 <= i < T:
-            raise ValueError(f"drafter target_layer_ids contains {i}, outside the target's layers [0, {T}) "
-                             f"(target num_hidden_layers = {T})")
+            raise ValueError(f"drafter target_layer_ids contains {i}, outside the target's "
+                             f"layers [0, {T}) (target num_hidden_layers = {T})")
     if list(d.target_layer_ids) != sorted(set(d.target_layer_ids)):
         # model.Transformer concatenates the taps in layer order; DFlash concatenates in list order
-        raise ValueError(f"drafter target_layer_ids {d.target_layer_ids} must be strictly increasing")
+        raise ValueError(f"drafter target_layer_ids {d.target_layer_ids} "
+                         "must be strictly increasing")
     if d.num_target_layers != T:
-        raise ValueError(f"drafter num_target_layers = {d.num_target_layers} but target num_hidden_layers = {T}")
+        raise ValueError(f"drafter num_target_layers = {d.num_target_layers} "
+                         f"but target num_hidden_layers = {T}")
     if d.hidden_size != t.hidden_size:
-        raise ValueError(f"drafter hidden_size = {d.hidden_size} but target hidden_size = {t.hidden_size}")
-    # The fc input width is then len(target_layer_ids) x target hidden_size by construction; a checkpoint whose
-    # fc.weight disagrees is rejected by load_drafter's shape check, which names that product.
+        raise ValueError(f"drafter hidden_size = {d.hidden_size} "
+                         f"but target hidden_size = {t.hidden_size}")
+    # The fc input width is then len(target_layer_ids) x target hidden_size by construction; a
+    # checkpoint whose fc.weight disagrees is rejected by load_drafter's shape check, which names
+    # that product.
     if d.vocab_size is not None and d.vocab_size != t.vocab_size:
-        raise ValueError(f"drafter vocab_size = {d.vocab_size} but target vocab_size = {t.vocab_size}")
+        raise ValueError(f"drafter vocab_size = {d.vocab_size} "
+                         f"but target vocab_size = {t.vocab_size}")
     if not 0 <= d.mask_token_id < t.vocab_size:
-        raise ValueError(f"drafter mask_token_id = {d.mask_token_id} is outside the target vocab_size = {t.vocab_size}")
+        raise ValueError(f"drafter mask_token_id = {d.mask_token_id} "
+                         f"is outside the target vocab_size = {t.vocab_size}")
     if d.block_size > t.max_position_embeddings:
         raise ValueError(f"drafter block_size = {d.block_size} is more than the target's "
                          f"max_position_embeddings = {t.max_position_embeddings}")
 
 
 def check_tp_divisibility(a: DraftArgs, ws: int) -> None:
-    """Fail before allocating anything if the world size cannot split the drafter evenly: whole q heads and
-    whole kv heads per rank (a kv head is never replicated), whole intermediate rows and fc input columns."""
-    checks = [("num_attention_heads", a.num_attention_heads), ("num_key_value_heads", a.num_key_value_heads),
+    """Fail before allocating anything if the world size cannot split the drafter evenly: whole q
+    heads and whole kv heads per rank (a kv head is never replicated), whole intermediate rows and
+    fc input columns."""
+    checks = [("num_attention_heads", a.num_attention_heads),
+              ("num_key_value_heads", a.num_key_value_heads),
               ("intermediate_size", a.intermediate_size),
               ("fc input width len(target_layer_ids) x hidden_size", a.fc_in)]
     for name, value in checks:
@@ -521,7 +562,8 @@ def check_tp_divisibility(a: DraftArgs, ws: int) -> None:
             raise ValueError(f"tensor parallel size {ws} does not divide drafter {name}={value}")
 
 
-_ALIASES = (("model.", ""), ("midlayer.", "layers.0."), ("encoder.fc.", "fc."))   # optional prefix, vLLM renames
+# optional prefix, vLLM renames
+_ALIASES = (("model.", ""), ("midlayer.", "layers.0."), ("encoder.fc.", "fc."))
 
 
 def _param_name(name: str) -> str:
@@ -551,17 +593,21 @@ def check_layer_count(args: DraftArgs, path: str) -> None:
 
 
 @torch.no_grad()
-def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None, dtype=None) -> DFlashDrafter:
-    """Read config.json, check it against the target and the TP size (before loading anything), build the
-    drafter on `device` in `dtype` and load every tensor exactly once, checked against its full shape; each
-    rank reads only its slice (safetensors get_slice, like checkpoint.load_checkpoint). No tensor
-    may hold NaN / inf (checked as the target's are: the error names the tensor and its file)."""
+def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
+                 dtype=None) -> DFlashDrafter:
+    """Read config.json, check it against the target and the TP size (before loading anything),
+    build the drafter on `device` in `dtype` and load every tensor exactly once, checked against its
+    full shape; each rank reads only its slice (safetensors get_slice, like
+    checkpoint.load_checkpoint). No tensor may hold NaN / inf (checked as the target's are: the
+    error names the tensor and its file)."""
     args = DraftArgs.from_config(path)
     if target_args is not None:
         check_compatible(args, target_args)
     check_layer_count(args, path)
-    # allocated in the final dtype (no fp32 copy of a 3.5B model); the constructor checks the TP divisibility first
-    drafter = C.build(lambda: DFlashDrafter(args), device or "cpu", dtype or torch.get_default_dtype())
+    # allocated in the final dtype (no fp32 copy of a 3.5B model); the constructor checks the TP
+    # divisibility first
+    drafter = C.build(lambda: DFlashDrafter(args), device or "cpu",
+                      dtype or torch.get_default_dtype())
     # checkpoint name -> (where its slice goes: a parameter or a stacked one's rows, its shard_dim)
     params, loaded = C.checkpoint_slots(drafter), set()
     written = []    # (name, file, where it went): names a non-finite tensor
@@ -570,7 +616,8 @@ def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
             for name in names if names is not None else list(f.keys()):
                 key = _param_name(name)
                 if key not in params:
-                    raise CheckpointError(f"unexpected tensor {name} in {fname} (no such drafter parameter)")
+                    raise CheckpointError(f"unexpected tensor {name} in {fname} "
+                                          "(no such drafter parameter)")
                 if key in loaded:
                     raise CheckpointError(f"tensor {name} appears twice (again in {fname})")
                 _load_slice(f.get_slice(name), *params[key], key, name, fname, args)
@@ -580,7 +627,8 @@ def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
     if missing:
         raise CheckpointError(f"{path}: missing drafter tensors {missing[:5]}"
                               + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""))
-    C._check_finite(list(drafter.parameters()), written)   # as the target's: one sync, then the culprit
+    # as the target's: one sync, then the culprit
+    C._check_finite(list(drafter.parameters()), written)
     return drafter.eval()
 
 
@@ -590,7 +638,8 @@ def _load_slice(sl, dest: torch.Tensor, sd: int | None, key: str, name: str, fna
     into dest."""
     dtype = C.DTYPES.get(sl.get_dtype())
     if dtype is None or not dtype.is_floating_point:
-        raise CheckpointError(f"tensor {name} in {fname} has dtype {dtype or sl.get_dtype()}, expected a float")
+        raise CheckpointError(f"tensor {name} in {fname} has dtype {dtype or sl.get_dtype()}, "
+                              "expected a float")
     shape = tuple(sl.get_shape())
     full = list(dest.shape)
     if sd is not None:
@@ -598,7 +647,8 @@ def _load_slice(sl, dest: torch.Tensor, sd: int | None, key: str, name: str, fna
     if shape != tuple(full):
         why = (f" ({len(args.target_layer_ids)} target_layer_ids x hidden_size {args.hidden_size} "
                f"input columns)") if key == "fc.weight" else ""
-        raise CheckpointError(f"tensor {name} in {fname} has shape {list(shape)}, expected {full}{why}")
+        raise CheckpointError(f"tensor {name} in {fname} has shape {list(shape)}, "
+                              f"expected {full}{why}")
     dest.copy_(C.rank_slice(sl, shape, sd, M.world_size, M.rank))
 
 
@@ -624,18 +674,20 @@ def write_drafter(path: str, drafter_or_state, config: dict, n_shards: int = 1) 
 
 
 def tiny_draft_config(target_args: M.ModelArgs, **over) -> dict:
-    """A tiny DFlash config for `target_args`, with the public files' fields: 2 layers, GQA 4/2, head_dim
-    != hidden/heads, YaRN, block_size 4, mask token = vocab - 2 (as Kimi's 163838 of 163840)."""
+    """A tiny DFlash config for `target_args`, with the public files' fields: 2 layers, GQA 4/2,
+    head_dim != hidden/heads, YaRN, block_size 4, mask token = vocab - 2 (as Kimi's 163838 of
+    163840)."""
     T, D, V = target_args.num_hidden_layers, target_args.hidden_size, target_args.vocab_size
     n_layers = over.get("num_hidden_layers", 2)
     ids = sorted({min(max(i, 0), T - 1) for i in build_target_layer_ids(T, n_layers)})
-    cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=D, intermediate_size=2 * D,
-               num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-               hidden_act="silu", rms_norm_eps=1e-6, rope_theta=50000.0,
-               rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32, beta_fast=32.0,
-                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-               max_position_embeddings=256, attention_bias=False, vocab_size=V, tie_word_embeddings=False,
-               block_size=4, num_target_layers=T,
+    cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=D,
+               intermediate_size=2 * D, num_hidden_layers=n_layers, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=24, hidden_act="silu", rms_norm_eps=1e-6,
+               rope_theta=50000.0,
+               rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32,
+                                 beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+               max_position_embeddings=256, attention_bias=False, vocab_size=V,
+               tie_word_embeddings=False, block_size=4, num_target_layers=T,
                dflash_config=dict(mask_token_id=V - 2, target_layer_ids=ids))
     cfg.update(over)
     return cfg

@@ -1,22 +1,28 @@
-"""Kimi K2.6 / DeepSeek-V3 text model: MLA attention over a compressed KV cache, a noaux_tc-routed MoE with
-INT4 experts, tensor parallelism. It reads top to bottom as the forward: config, ops, layers, Transformer.
+"""Kimi K2.6 / DeepSeek-V3 text model: MLA attention over a compressed KV cache, a noaux_tc-routed
+MoE with INT4 experts, tensor parallelism. It reads top to bottom as the forward: config, ops,
+layers, Transformer.
 
 Invariants this file keeps:
-  * every hyperparameter comes from the checkpoint's config.json (checkpoint.py parses it); none is guessed;
-  * the naive MLA path (decompress K/V; prefill) and the weight-absorbed path (attend over the compressed cache;
-    decode and tree verify) compute the same function; tests/test_model.py checks both against transformers;
-  * the KV cache is one static tensor [n_layers, max_batch, max_seq_len, kv_lora_rank + qk_rope_head_dim]
-    written in place, so verifying a tree (positions = start + depth, ancestor-only mask) needs no second model
-    and committing the accepted path (verify.py) is one gather / scatter over all layers;
-  * each op marked `@kernels.fast` is written here in plain PyTorch and is the reference: on a GPU the switch in
-    kernels.py may run a Triton kernel instead, which tests/test_kernels.py holds equal to it;
-  * under tensor parallelism every collective is visible at its call site (all_reduce / all_gather below).
+  * every hyperparameter comes from the checkpoint's config.json (checkpoint.py parses it); none is
+    guessed;
+  * the naive MLA path (decompress K/V; prefill) and the weight-absorbed path (attend over the
+    compressed cache; decode and tree verify) compute the same function; tests/test_model.py checks
+    both against transformers;
+  * the KV cache is one static tensor
+    [n_layers, max_batch, max_seq_len, kv_lora_rank + qk_rope_head_dim] written in place, so
+    verifying a tree (positions = start + depth, ancestor-only mask) needs no second model and
+    committing the accepted path (verify.py) is one gather / scatter over all layers;
+  * each op marked `@kernels.fast` is written here in plain PyTorch and is the reference: on a GPU
+    the switch in kernels.py may run a Triton kernel instead, which tests/test_kernels.py holds
+    equal to it;
+  * under tensor parallelism every collective is visible at its call site (all_reduce / all_gather
+    below).
 
 Usage:
     import checkpoint
     model = Transformer(ModelArgs.from_config("ckpt/"))   # current default device and dtype
     checkpoint.load_checkpoint(model, "ckpt/")
-    logits = model(tokens).logits                        # [B, T] int64 -> [B, T, vocab] fp32, no cache used
+    logits = model(tokens).logits    # [B, T] int64 -> [B, T, vocab] fp32, no cache used
 Tests: python -m pytest -q tests/test_model.py
 """
 from __future__ import annotations
@@ -34,8 +40,8 @@ import torch.nn.functional as F
 
 import kernels
 
-# Tensor-parallel coordinates, set once by init_distributed (end of file) or set_tp; a single process keeps
-# world_size = 1 and never calls a collective.
+# Tensor-parallel coordinates, set once by init_distributed (end of file) or set_tp; a single
+# process keeps world_size = 1 and never calls a collective.
 world_size = 1
 rank = 0
 
@@ -46,7 +52,8 @@ rank = 0
 
 @dataclass
 class QuantArgs:
-    """The routed experts' INT4 format: compressed-tensors pack-quantized, symmetric, one scale per group."""
+    """The routed experts' INT4 format: compressed-tensors pack-quantized, symmetric, one scale per
+    group."""
     group_size: int = 32
 
 
@@ -96,12 +103,13 @@ class ModelArgs:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.n_routed_experts > 0 and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+        return (self.n_routed_experts > 0 and i >= self.first_k_dense_replace
+                and i % self.moe_layer_freq == 0)
 
     @staticmethod
     def from_config(path_or_dict) -> "ModelArgs":
-        """A checkpoint directory, its config.json or the parsed dict (flat kimi_k2 / deepseek_v3, or nested
-        kimi_k25 as K2.5 / K2.6 ship it): checkpoint.model_args."""
+        """A checkpoint directory, its config.json or the parsed dict (flat kimi_k2 / deepseek_v3,
+        or nested kimi_k25 as K2.5 / K2.6 ship it): checkpoint.model_args."""
         import checkpoint    # the format side imports this module, not the other way round
         return checkpoint.model_args(path_or_dict)
 
@@ -109,10 +117,12 @@ class ModelArgs:
 def check_tp_divisibility(args: ModelArgs, ws: int) -> None:
     """Fail before loading anything if the world size cannot split the model evenly."""
     gs = args.quant.group_size if args.quant else 1
-    checks = [("num_attention_heads", args.num_attention_heads, 1), ("vocab_size", args.vocab_size, 1),
+    checks = [("num_attention_heads", args.num_attention_heads, 1),
+              ("vocab_size", args.vocab_size, 1),
               ("intermediate_size", args.intermediate_size, 1),
               ("moe_intermediate_size", args.moe_intermediate_size, gs),
-              ("moe_intermediate_size*n_shared_experts", args.moe_intermediate_size * args.n_shared_experts, 1)]
+              ("moe_intermediate_size*n_shared_experts",
+               args.moe_intermediate_size * args.n_shared_experts, 1)]
     for name, value, unit in checks:
         if value % (ws * unit):
             extra = f" x group_size {unit}" if unit > 1 else ""
@@ -120,8 +130,8 @@ def check_tp_divisibility(args: ModelArgs, ws: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Parallel linear layers. Each weight carries `shard_dim` (0: split output rows, 1: split input columns,
-# None: replicated) so the loader reads only this rank's slice.
+# Parallel linear layers. Each weight carries `shard_dim` (0: split output rows, 1: split input
+# columns, None: replicated) so the loader reads only this rank's slice.
 
 
 @kernels.fast
@@ -178,8 +188,8 @@ class ParallelEmbedding(nn.Module):
 
 @kernels.fast
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., N] / rms(x) * weight: fp32 statistics, cast back to x's dtype, then scaled (the transformers
-    order; it matters in bf16)."""
+    """x [..., N] / rms(x) * weight: fp32 statistics, cast back to x's dtype, then scaled (the
+    transformers order; it matters in bf16)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -231,7 +241,8 @@ def rope_inv_freq(args, dim: int | None = None, truncate: bool = True,
         return 1.0 / pos_freq, 1.0
     factor, L0 = args.rope_factor, args.original_max_position_embeddings
 
-    def corr_dim(rot: float) -> float:   # frequency index that completes `rot` turns over L0 positions
+    # frequency index that completes `rot` turns over L0 positions
+    def corr_dim(rot: float) -> float:
         return dim * math.log(L0 / (rot * 2 * math.pi)) / (2 * math.log(base))
     low, high = corr_dim(args.beta_fast), corr_dim(args.beta_slow)
     if truncate:
@@ -240,7 +251,7 @@ def rope_inv_freq(args, dim: int | None = None, truncate: bool = True,
     if low == high:
         high += 0.001                    # avoid a division by zero in the ramp
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp                      # 1: keep the original (high) frequency; 0: interpolate by factor
+    keep = 1 - ramp     # 1: keep the original (high) frequency; 0: interpolate by factor
     inv_freq = 1.0 / (factor * pos_freq) * (1 - keep) + 1.0 / pos_freq * keep    # [dim/2]
     af = args.rope_attention_factor
     if af is None:
@@ -253,49 +264,56 @@ def rope_inv_freq(args, dim: int | None = None, truncate: bool = True,
 
 def rope_cos_sin(inv_freq: torch.Tensor, attn_factor: float, positions: torch.Tensor, dtype,
                  interleaved: bool = True) -> tuple:
-    """positions [B, T] -> cos, sin [B, T, rope_dim] laid out for rope(): (cos, cos) and (-sin, +sin) of each
-    pair's angle, per adjacent pair (interleaved, K2) or as halves (the drafter's Qwen3 rope). Computed in fp32,
-    cast like transformers; once per forward, for every layer."""
+    """positions [B, T] -> cos, sin [B, T, rope_dim] laid out for rope(): (cos, cos) and
+    (-sin, +sin) of each pair's angle, per adjacent pair (interleaved, K2) or as halves (the
+    drafter's Qwen3 rope). Computed in fp32, cast like transformers; once per forward, for every
+    layer."""
     ang = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)   # [B, T, dim/2]
     cos, sin = ang.cos(), ang.sin()
     if attn_factor != 1.0:
         cos, sin = cos * attn_factor, sin * attn_factor
     cos, sin = cos.to(dtype), sin.to(dtype)
     if interleaved:
-        return torch.stack((cos, cos), dim=-1).flatten(-2), torch.stack((-sin, sin), dim=-1).flatten(-2)
+        return (torch.stack((cos, cos), dim=-1).flatten(-2),
+                torch.stack((-sin, sin), dim=-1).flatten(-2))
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 @kernels.fast
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
-    """Rotate the pairs (x1, x2) of x [B, T, (H,) P] - adjacent (x[2i], x[2i+1]) when interleaved, else
-    (x[i], x[i + P/2]) - by the angles in cos / sin [B, T, P] from rope_cos_sin: x * (cos, cos) + (x2, x1) *
-    (-sin, sin) = (x1 cos - x2 sin, x2 cos + x1 sin), bit for bit (the sign sits in sin)."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         interleaved: bool = True) -> torch.Tensor:
+    """Rotate the pairs (x1, x2) of x [B, T, (H,) P] - adjacent (x[2i], x[2i+1]) when interleaved,
+    else (x[i], x[i + P/2]) - by the angles in cos / sin [B, T, P] from rope_cos_sin:
+    x * (cos, cos) + (x2, x1) * (-sin, sin) = (x1 cos - x2 sin, x2 cos + x1 sin), bit for bit (the
+    sign sits in sin)."""
     if x.dim() == 4:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     if interleaved:
-        partner = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)                     # (x2, x1) per adjacent pair
+        partner = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x2, x1) per adjacent pair
     else:
         x1, x2 = x.chunk(2, dim=-1)
-        partner = torch.cat([x2, x1], dim=-1)                                        # rotate_half without the sign
+        partner = torch.cat([x2, x1], dim=-1)                    # rotate_half without the sign
     return x * cos + partner * sin
 
 
 # ----------------------------------------------------------------------------------------------
-# MLA attention. Per token the cache holds one latent row, shared by every head: kv_a_layernorm(c_kv) [R] then
-# rope(k_pe) [P]. Naive (prefill): decompress each key's latent into per-head k_nope, v with kv_b_proj. Absorbed
-# (decode, verify): fold kv_b_proj's key half into the query (q_lat = q_nope W_UK) and its value half into the
-# output, so attention reads only the compressed cache. The new tokens see the committed prefix and, among
-# themselves, what the tree mask allows (their ancestors).
+# MLA attention. Per token the cache holds one latent row, shared by every head:
+# kv_a_layernorm(c_kv) [R] then rope(k_pe) [P]. Naive (prefill): decompress each key's latent into
+# per-head k_nope, v with kv_b_proj. Absorbed (decode, verify): fold kv_b_proj's key half into the
+# query (q_lat = q_nope W_UK) and its value half into the output, so attention reads only the
+# compressed cache. The new tokens see the committed prefix and, among themselves, what the tree
+# mask allows (their ancestors).
 
 MASK_WORD_BITS = 64     # tree slots one packed mask row holds: the bits of an int64
 
 
 def tree_mask_bits(tree_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T, T] bool -> [B, T] int64, bit j of row t set iff tree_mask[b, t, j] (T <= 64): a forward packs its
-    mask once, not once per layer. Disjoint bits, so sum == OR; bit 63 wraps into the sign bit."""
+    """[B, T, T] bool -> [B, T] int64, bit j of row t set iff tree_mask[b, t, j] (T <= 64): a
+    forward packs its mask once, not once per layer. Disjoint bits, so sum == OR; bit 63 wraps into
+    the sign bit."""
     T = tree_mask.shape[-1]
-    assert T <= MASK_WORD_BITS, f"one int64 word per row holds at most {MASK_WORD_BITS} tree slots, got T={T}"
+    assert T <= MASK_WORD_BITS, (
+        f"one int64 word per row holds at most {MASK_WORD_BITS} tree slots, got T={T}")
     return (tree_mask.long() << torch.arange(T, device=tree_mask.device)).sum(-1)
 
 
@@ -305,55 +323,64 @@ def tree_mask_unpack(bits: torch.Tensor) -> torch.Tensor:
     return (bits[..., None] >> torch.arange(T, device=bits.device)) & 1 == 1
 
 
-def mla_latent(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
-    """What the cache keeps per token: kv [B, T, R+P] (kv_a_proj_with_mqa's output) -> (rms_norm(kv[..., :R],
-    weight), rope(kv[..., R:])) [B, T, R+P], the latent (key and value of every head) and the shared rope key."""
+def mla_latent(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+               sin: torch.Tensor):
+    """What the cache keeps per token: kv [B, T, R+P] (kv_a_proj_with_mqa's output) ->
+    (rms_norm(kv[..., :R], weight), rope(kv[..., R:])) [B, T, R+P], the latent (key and value of
+    every head) and the shared rope key."""
     R = weight.shape[0]
     return torch.cat([rms_norm(kv[..., :R], weight, eps), rope(kv[..., R:], cos, sin)], dim=-1)
 
 
 @kernels.fast
-def mla_latent_to_cache(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                        cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """The new tokens' mla_latent rows, written in place: cache[b, slots[b, t]] = mla_latent(kv)[b, t]. cache
-    [Bmax, S, R+P], slots [B, T] int64, cos / sin [B, T, P]."""
-    latent = mla_latent(kv, weight, eps, cos, sin)                                   # [B, T, R+P]
+def mla_latent_to_cache(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                        sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """The new tokens' mla_latent rows, written in place:
+    cache[b, slots[b, t]] = mla_latent(kv)[b, t]. cache [Bmax, S, R+P], slots [B, T] int64,
+    cos / sin [B, T, P]."""
+    latent = mla_latent(kv, weight, eps, cos, sin)                                  # [B, T, R+P]
     B, T, C = latent.shape
     cache[:B].scatter_(1, slots[:, :, None].expand(B, T, C), latent.to(cache.dtype))
 
 
 @kernels.fast
 def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale: float, out=None):
-    """Absorbed MLA attention: q_lat [B, T, H, R], q_pe [B, T, H, P] over cache [B, S, R+P] (the latent is both
-    key and value) -> [B, T, H, R]. Query t of row b sees slot s < prefix_len[b] (the committed prefix) and tree
-    slot prefix_len[b] + j where tree_mask[b, t, j] ([B, T, T] bool, or its rows packed by tree_mask_bits)."""
+    """Absorbed MLA attention: q_lat [B, T, H, R], q_pe [B, T, H, P] over cache [B, S, R+P] (the
+    latent is both key and value) -> [B, T, H, R]. Query t of row b sees slot s < prefix_len[b] (the
+    committed prefix) and tree slot prefix_len[b] + j where tree_mask[b, t, j] ([B, T, T] bool, or
+    its rows packed by tree_mask_bits)."""
     B, T, H, R = q_lat.shape
     S = cache.shape[1]
     if tree_mask.dtype == torch.int64:
         tree_mask = tree_mask_unpack(tree_mask)                                 # [B, T, T] bool
-    kv, k_pe = cache[..., :R].float(), cache[..., R:].float()                  # [B, S, R], [B, S, P]
-    scores = torch.einsum("bthr,bsr->bths", q_lat.float(), kv) + torch.einsum("bthp,bsp->bths", q_pe.float(), k_pe)
+    kv, k_pe = cache[..., :R].float(), cache[..., R:].float()               # [B, S, R], [B, S, P]
+    scores = (torch.einsum("bthr,bsr->bths", q_lat.float(), kv)
+              + torch.einsum("bthp,bsp->bths", q_pe.float(), k_pe))
     scores = scores * softmax_scale                                             # [B, T, H, S]
 
-    # visibility [B, T, S]: the committed prefix, plus tree slot j = s - prefix_len where tree_mask[b, t, j]
+    # visibility [B, T, S]: the committed prefix, plus tree slot j = s - prefix_len where
+    # tree_mask[b, t, j]
     s = torch.arange(S, device=cache.device)
     j = s[None, :] - prefix_len[:, None]                                        # [B, S]
     in_tree = torch.gather(tree_mask, 2, j.clamp(0, T - 1)[:, None, :].expand(B, T, S))
     visible = (j < 0)[:, None, :] | (((j >= 0) & (j < T))[:, None, :] & in_tree)
 
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-    p = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1)[:, :, None, None], 0.0)  # no visible key -> 0
+    # no visible key -> 0
+    p = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1)[:, :, None, None], 0.0)
     o = torch.einsum("bths,bsr->bthr", p, kv).to(q_lat.dtype)
     return o if out is None else out.copy_(o)
 
 
 class MLA(nn.Module):
-    """Multi-head latent attention, tensor-parallel by heads (o_proj row-parallel: one all-reduce)."""
+    """Multi-head latent attention, tensor-parallel by heads (o_proj row-parallel: one
+    all-reduce)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads = args.num_attention_heads // world_size          # local heads
-        self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.nope, self.rope_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
+        self.v_dim = args.v_head_dim
         self.q_lora_rank, self.kv_lora_rank = args.q_lora_rank, args.kv_lora_rank
         # q_a_proj and kv_a_proj_with_mqa read the same x: one replicated stacked weight, one GEMM
         a_rows = {"q_a_proj": args.q_lora_rank,
@@ -369,7 +396,8 @@ class MLA(nn.Module):
         self.o_proj = Linear(o_cols, args.hidden_size, shard_dim=1)
         self.softmax_scale = args.qk_head_dim ** -0.5
         if args.rope_type == "yarn" and args.mscale_all_dim:
-            # transformers: the YaRN mscale enters the softmax scale squared (q and k each carry one factor)
+            # transformers: the YaRN mscale enters the softmax scale squared (q and k each carry one
+            # factor)
             self.softmax_scale *= yarn_mscale(args.rope_factor, args.mscale_all_dim) ** 2
 
     def forward(self, x, cos, sin, cache, start_pos, tree_mask, absorb=False, slots=None):
@@ -377,63 +405,77 @@ class MLA(nn.Module):
         x alone). start_pos: int or LongTensor [B] = slot of the first new token. tree_mask
         [B, T, T] bool: what the new tokens see among themselves (Transformer.forward makes the
         causal default); the absorbed path also takes it packed, [B, T] int64 (tree_mask_bits).
-        slots [B, T]: the new tokens' cache slots, start_pos + [0, T) (Transformer computes them once)."""
+        slots [B, T]: the new tokens' cache slots, start_pos + [0, T) (Transformer computes them
+        once)."""
         B, T, _ = x.shape
         qkv_a = self.qkv_a_proj(x)                                   # [B, T, q_lora + R + P]
         q_a, kv = qkv_a.split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], dim=-1)
-        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, T, self.n_heads, -1)                # [B, T, H, nope+rope]
+        q = self.q_b_proj(self.q_a_layernorm(q_a))
+        q = q.view(B, T, self.n_heads, -1)                           # [B, T, H, nope+rope]
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         q_pe = rope(q_pe, cos, sin)
 
+        kv_norm = self.kv_a_layernorm
         if cache is None:
-            latent = mla_latent(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin)  # [B, T, R+P]
+            latent = mla_latent(kv, kv_norm.weight, kv_norm.eps, cos, sin)        # [B, T, R+P]
             o = self._naive(q_nope, q_pe, latent, tree_mask)
         else:
             if slots is None:
-                slots = _slots(start_pos, B, T, x.device)                                      # [B, T]
-            mla_latent_to_cache(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, cache, slots)
+                slots = _slots(start_pos, B, T, x.device)                         # [B, T]
+            mla_latent_to_cache(kv, kv_norm.weight, kv_norm.eps, cos, sin, cache, slots)
             if absorb:
                 o = self._absorbed(q_nope, q_pe, cache[:B], start_pos, tree_mask)
             else:
                 if not isinstance(start_pos, int):
-                    raise ValueError("the naive MLA path needs an int start_pos (prefill); use absorb=True")
-                keys = cache[:B, :start_pos + T]                                                # [B, S, R+P]
-                mask = torch.cat([torch.ones(B, T, start_pos, dtype=torch.bool, device=x.device), tree_mask], -1)
+                    raise ValueError("the naive MLA path needs an int start_pos (prefill); "
+                                     "use absorb=True")
+                keys = cache[:B, :start_pos + T]                                  # [B, S, R+P]
+                prefix = torch.ones(B, T, start_pos, dtype=torch.bool, device=x.device)
+                mask = torch.cat([prefix, tree_mask], -1)
                 o = self._naive(q_nope, q_pe, keys, mask)
         y = self.o_proj(o.flatten(2))
         if world_size > 1:
-            dist.all_reduce(y)                  # o_proj is row-parallel: sum the heads' partial outputs
+            dist.all_reduce(y)      # o_proj is row-parallel: sum the heads' partial outputs
         return y
 
     def _wkv_b(self):
-        return self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)  # [H, nope+v, R]
+        # [H, nope+v, R]
+        return self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
 
     def _naive(self, q_nope, q_pe, keys, mask):
-        """Decompress every key's latent into per-head k_nope and v (prefill: compute-bound, T large)."""
+        """Decompress every key's latent into per-head k_nope and v (prefill: compute-bound,
+        T large)."""
         B, S, _ = keys.shape
         c_kv, k_pe = keys.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(c_kv).view(B, S, self.n_heads, self.nope + self.v_dim)             # [B, S, H, nope+v]
+        kv = self.kv_b_proj(c_kv)
+        kv = kv.view(B, S, self.n_heads, self.nope + self.v_dim)           # [B, S, H, nope+v]
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.n_heads, -1)], dim=-1)   # [B, S, H, qk]
-        q = torch.cat([q_nope, q_pe], dim=-1)                                                  # [B, T, H, qk]
+        k_pe = k_pe.unsqueeze(2).expand(-1, -1, self.n_heads, -1)          # [B, S, H, P]
+        k = torch.cat([k_nope, k_pe], dim=-1)                              # [B, S, H, qk]
+        q = torch.cat([q_nope, q_pe], dim=-1)                              # [B, T, H, qk]
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask.unsqueeze(1), scale=self.softmax_scale)
-        return o.transpose(1, 2)                                                               # [B, T, H, v]
+        return o.transpose(1, 2)                                           # [B, T, H, v]
 
     def _absorbed(self, q_nope, q_pe, cache, start_pos, tree_mask):
-        """W_UK absorbed into the query, W_UV into the output: attention over the R+P cached values per token
-        (decode / verify: memory-bound, reads only the compressed cache)."""
+        """W_UK absorbed into the query, W_UV into the output: attention over the R+P cached values
+        per token (decode / verify: memory-bound, reads only the compressed cache)."""
         B, T = q_nope.shape[:2]
         wkv_b = self._wkv_b()
-        q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :self.nope])     # [B, T, H, R] (a permuted view)
+        # [B, T, H, R] (a permuted view)
+        q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :self.nope])
         prefix = start_pos
         if isinstance(start_pos, int):
-            prefix = torch.full((B,), start_pos, dtype=torch.long, device=q_nope.device)      # [B]
-        o_lat = mla_tree_attention(q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)  # [B, T, H, R]
-        # o = einsum("bthr,hdr->bthd", o_lat, W_UV) as one batched GEMM per head written straight into [B, T, H, v]
-        # rows, so o_proj reads it without the copy that flattening the einsum's [H, B*T, v] result costs
-        o = torch.empty(B, T, self.n_heads, self.v_dim, dtype=o_lat.dtype, device=o_lat.device)     # [B, T, H, v]
-        torch.bmm(o_lat.reshape(B * T, self.n_heads, -1).transpose(0, 1), wkv_b[:, self.nope:].transpose(1, 2),
+            prefix = torch.full((B,), start_pos, dtype=torch.long, device=q_nope.device)  # [B]
+        o_lat = mla_tree_attention(q_lat, q_pe, cache, prefix, tree_mask,
+                                   self.softmax_scale)                             # [B, T, H, R]
+        # o = einsum("bthr,hdr->bthd", o_lat, W_UV) as one batched GEMM per head written straight
+        # into [B, T, H, v] rows, so o_proj reads it without the copy that flattening the einsum's
+        # [H, B*T, v] result costs
+        o = torch.empty(B, T, self.n_heads, self.v_dim, dtype=o_lat.dtype,
+                        device=o_lat.device)                                       # [B, T, H, v]
+        torch.bmm(o_lat.reshape(B * T, self.n_heads, -1).transpose(0, 1),
+                  wkv_b[:, self.nope:].transpose(1, 2),
                   out=o.view(B * T, self.n_heads, self.v_dim).transpose(0, 1))
         return o
 
@@ -441,8 +483,9 @@ class MLA(nn.Module):
 def _slots(start_pos, B: int, T: int, device) -> torch.Tensor:
     ar = torch.arange(T, device=device)
     if isinstance(start_pos, int):
-        return (start_pos + ar).repeat(B, 1)          # [B, T], contiguous (the cache-write kernel indexes it flat)
-    return start_pos.view(B, 1) + ar                                                           # [B, T]
+        # [B, T], contiguous (the cache-write kernel indexes it flat)
+        return (start_pos + ar).repeat(B, 1)
+    return start_pos.view(B, 1) + ar                                               # [B, T]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -479,20 +522,22 @@ class DenseMLP(MLP):
 
 
 @kernels.fast
-def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float,
-                n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """noaux_tc routing: x [N, D], weight [E, D] fp32, bias [E] fp32 -> (weights [N, k] fp32, expert ids [N, k]
-    int64, in descending order of score + bias). Sigmoid scores in fp32; the bias steers the choice only; with
-    n_group > 1 (DeepSeek-V3; K2.6 has one group) only the topk_group best groups may be chosen from."""
-    scores = F.linear(x.float(), weight.float()).sigmoid()                              # [N, E]
+def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool,
+                scale: float, n_group: int = 1,
+                topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """noaux_tc routing: x [N, D], weight [E, D] fp32, bias [E] fp32 -> (weights [N, k] fp32, expert
+    ids [N, k] int64, in descending order of score + bias). Sigmoid scores in fp32; the bias steers
+    the choice only; with n_group > 1 (DeepSeek-V3; K2.6 has one group) only the topk_group best
+    groups may be chosen from."""
+    scores = F.linear(x.float(), weight.float()).sigmoid()                             # [N, E]
     choice = scores + bias
     if n_group > 1:
-        grouped = choice.view(x.shape[0], n_group, -1)                                  # [N, G, E/G]
-        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)                               # [N, G]
+        grouped = choice.view(x.shape[0], n_group, -1)                                 # [N, G, E/G]
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)                              # [N, G]
         keep = torch.zeros_like(group_scores, dtype=torch.bool)
         keep.scatter_(1, group_scores.topk(topk_group, dim=-1)[1], True)
         choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
-    ids = choice.topk(top_k, dim=-1)[1]                                                 # [N, k]
+    ids = choice.topk(top_k, dim=-1)[1]                                                # [N, k]
     w = scores.gather(1, ids)
     if norm:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
@@ -504,86 +549,98 @@ class Gate(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.top_k, self.n_group, self.topk_group = args.num_experts_per_tok, args.n_group, args.topk_group
+        self.top_k = args.num_experts_per_tok
+        self.n_group, self.topk_group = args.n_group, args.topk_group
         self.norm, self.scale = args.norm_topk_prob, args.routed_scaling_factor
-        # [E, D] in fp32 whatever the model dtype: the scores are computed in fp32 (as the reference does), so
-        # the bf16 checkpoint weight is upcast once at load instead of being converted again on every step
-        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size, dtype=torch.float32))
+        # [E, D] in fp32 whatever the model dtype: the scores are computed in fp32 (as the reference
+        # does), so the bf16 checkpoint weight is upcast once at load instead of being converted
+        # again on every step
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size,
+                                               dtype=torch.float32))
         self.weight.shard_dim = None
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(args.n_routed_experts, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(args.n_routed_experts,
+                                                                dtype=torch.float32))
         self.e_score_correction_bias.shard_dim = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] fp32, expert ids [N, k])"""
-        return router_topk(x, self.weight, self.e_score_correction_bias, self.top_k, self.norm, self.scale,
-                           self.n_group, self.topk_group)
+        return router_topk(x, self.weight, self.e_score_correction_bias, self.top_k, self.norm,
+                           self.scale, self.n_group, self.topk_group)
 
 
-# INT4 pack-quantized (compressed-tensors): W [O, I] is stored as packed [O, I/8] int32, column j = 8k + i in bits
-# 4i..4i+3 of word k (column 8k in the least significant nibble) as u = q + 8, q in [-8, 7]; and scale [O, I/group]:
-# W[o, j] = q[o, j] * scale[o, j // group]. Leading dims (a stack of experts [E, O, I]) pass through.
+# INT4 pack-quantized (compressed-tensors): W [O, I] is stored as packed [O, I/8] int32, column
+# j = 8k + i in bits 4i..4i+3 of word k (column 8k in the least significant nibble) as u = q + 8, q
+# in [-8, 7]; and scale [O, I/group]: W[o, j] = q[o, j] * scale[o, j // group]. Leading dims (a
+# stack of experts [E, O, I]) pass through.
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """[..., I/8] int32 words -> [..., I] int8 values q in [-8, 7]."""
     assert packed.dtype == torch.int32, f"want int32 words, got {packed.dtype}"
-    # the words as bytes (little-endian, as on every CPU and GPU torch runs on): byte j of word k holds columns
-    # 8k + 2j (low nibble) and 8k + 2j + 1 (high nibble). Two byte-wide ops instead of eight word-wide shifts.
-    assert sys.byteorder == "little", "unpack_int4 reads the words' bytes: big-endian hosts are not supported"
+    # the words as bytes (little-endian, as on every CPU and GPU torch runs on): byte j of word k
+    # holds columns 8k + 2j (low nibble) and 8k + 2j + 1 (high nibble). Two byte-wide ops instead of
+    # eight word-wide shifts.
+    assert sys.byteorder == "little", (
+        "unpack_int4 reads the words' bytes: big-endian hosts are not supported")
     b = packed.contiguous().view(torch.uint8)                        # [..., I/2]
     u = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)           # [..., I] nibble values 0..15
     return u.to(torch.int8) - 8                                      # q = u - 8 in [-8, 7]
 
 
 def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, group_size: int = 32) -> torch.Tensor:
-    """packed [..., O, I/8] int32, scale [..., O, I/group_size] -> W [..., O, I] in scale's dtype."""
+    """packed [..., O, I/8] int32, scale [..., O, I/group_size] -> W [..., O, I] in scale's
+    dtype."""
     q = unpack_int4(packed)                                          # [..., O, I]
-    assert q.shape[-1] == scale.shape[-1] * group_size, f"{tuple(q.shape)}, scale {tuple(scale.shape)}, group {group_size}"
+    assert q.shape[-1] == scale.shape[-1] * group_size, (
+        f"{tuple(q.shape)}, scale {tuple(scale.shape)}, group {group_size}")
     w = q.view(*q.shape[:-1], -1, group_size).to(scale.dtype) * scale.unsqueeze(-1)
     return w.flatten(-2)
 
 
 def swiglu_experts(x, topk_ids, topk_weights, experts, w13, w2, y) -> torch.Tensor:
-    """Add Σ_k topk_weights[t, k] * SwiGLU_e(x[t]) over the pairs (t, k) whose expert e = topk_ids[t, k] is one of
-    `experts` [g] (increasing ids, weights w13 [g, 2I, D] gate rows then up rows, w2 [g, D, I]) to y [T, D] fp32.
-    One expert: only the tokens that chose it. Several: every token through each, weighted by 0 where it did not
-    choose it: more FLOPs, a fixed handful of ops (what a CPU running a small model wants)."""
+    """Add Σ_k topk_weights[t, k] * SwiGLU_e(x[t]) over the pairs (t, k) whose expert
+    e = topk_ids[t, k] is one of `experts` [g] (increasing ids, weights w13 [g, 2I, D] gate rows
+    then up rows, w2 [g, D, I]) to y [T, D] fp32. One expert: only the tokens that chose it.
+    Several: every token through each, weighted by 0 where it did not choose it: more FLOPs, a fixed
+    handful of ops (what a CPU running a small model wants)."""
     if len(experts) == 1:
         t, k = (topk_ids == experts[0]).nonzero(as_tuple=True)
-        gate, up = F.linear(x[t].to(w13.dtype), w13[0]).chunk(2, dim=-1)             # [n, I] each
-        return y.index_add_(0, t, F.linear(F.silu(gate) * up, w2[0]).float() * topk_weights[t, k, None])
-    gate, up = torch.matmul(x.to(w13.dtype), w13.transpose(1, 2)).chunk(2, dim=-1)     # [g, T, I] each
-    o = torch.matmul(F.silu(gate) * up, w2.transpose(1, 2)).float()                   # [g, T, D]
-    w = (topk_weights[:, :, None] * (topk_ids[:, :, None] == experts)).sum(1)        # [T, g]
+        gate, up = F.linear(x[t].to(w13.dtype), w13[0]).chunk(2, dim=-1)            # [n, I] each
+        o = F.linear(F.silu(gate) * up, w2[0]).float()                              # [n, D]
+        return y.index_add_(0, t, o * topk_weights[t, k, None])
+    gate, up = torch.matmul(x.to(w13.dtype), w13.transpose(1, 2)).chunk(2, dim=-1)  # [g, T, I] each
+    o = torch.matmul(F.silu(gate) * up, w2.transpose(1, 2)).float()                 # [g, T, D]
+    w = (topk_weights[:, :, None] * (topk_ids[:, :, None] == experts)).sum(1)       # [T, g]
     return y.add_(torch.einsum("tg,gtd->td", w, o))
 
 
 def float_experts(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
-    """Float experts w13 [E, 2I, D], w2 [E, D, I] -> [T, D] fp32, one used expert at a time (autograd reaches
-    w13 and w2: train.py)."""
+    """Float experts w13 [E, 2I, D], w2 [E, D, I] -> [T, D] fp32, one used expert at a time
+    (autograd reaches w13 and w2: train.py)."""
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)                    # [T, D]
     for e in topk_ids.unique().tolist():
         swiglu_experts(x, topk_ids, topk_weights, [e], w13[e:e + 1], w2[e:e + 1], y)
     return y
 
 
-INT4_REF_GROUP_BYTES = 256 * 2**20    # int4_experts dequantizes at most this many fp32 bytes of experts at once
+# int4_experts dequantizes at most this many fp32 bytes of experts at once
+INT4_REF_GROUP_BYTES = 256 * 2**20
 
 
 @kernels.fast
-def int4_experts(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, out=None,
-                 shared=None):
-    """Routed experts from the INT4 layout: x [T, D], topk_ids / topk_weights [T, k] -> [T, D] fp32 =
-    Σ_k weight * SwiGLU expert_k(x) + shared(x) if given (the shared experts: x -> [T, D]; the fast
-    path runs them beside the routed ones). w13_packed [E, 2I, D/8]
-    (gate rows then up rows), w2_packed [E, D, I/8], scales one per group. Only the used experts are dequantized,
-    a group at a time (at K2.6 size: one expert at a time), so memory stays bounded."""
-    used = topk_ids.unique()                                                            # [n] increasing ids
-    per_expert = (w13_packed[0].numel() + w2_packed[0].numel()) * 8 * 4                 # fp32 bytes, dequantized
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)                      # [T, D]
-    for group in used.split(max(1, INT4_REF_GROUP_BYTES // per_expert)):                # [g]
-        w13 = dequant_int4(w13_packed[group], w13_scale[group], group_size).float()     # [g, 2I, D]
-        w2 = dequant_int4(w2_packed[group], w2_scale[group], group_size).float()        # [g, D, I]
+def int4_experts(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                 group_size=32, out=None, shared=None):
+    """Routed experts from the INT4 layout: x [T, D], topk_ids / topk_weights [T, k] -> [T, D]
+    fp32 = Σ_k weight * SwiGLU expert_k(x) + shared(x) if given (the shared experts: x -> [T, D];
+    the fast path runs them beside the routed ones). w13_packed [E, 2I, D/8] (gate rows then up
+    rows), w2_packed [E, D, I/8], scales one per group. Only the used experts are dequantized, a
+    group at a time (at K2.6 size: one expert at a time), so memory stays bounded."""
+    used = topk_ids.unique()                                              # [n] increasing ids
+    per_expert = (w13_packed[0].numel() + w2_packed[0].numel()) * 8 * 4   # fp32 bytes, dequantized
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)        # [T, D]
+    for group in used.split(max(1, INT4_REF_GROUP_BYTES // per_expert)):  # [g]
+        w13 = dequant_int4(w13_packed[group], w13_scale[group], group_size).float()  # [g, 2I, D]
+        w2 = dequant_int4(w2_packed[group], w2_scale[group], group_size).float()     # [g, D, I]
         swiglu_experts(x, topk_ids, topk_weights, group, w13, w2, y)
     if shared is not None:
         y += shared(x).float()
@@ -591,35 +648,40 @@ def int4_experts(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2
 
 
 class Experts(nn.Module):
-    """Routed experts stacked per layer. INT4: w13_packed [E, 2I/ws, D/8] int32 (gate rows then up rows),
-    w13_scale [E, 2I/ws, D/gs], w2_packed [E, D, I/ws/8], w2_scale [E, D, I/ws/gs]; never dequantized as a
-    whole. Float checkpoints: w13 [E, 2I/ws, D], w2 [E, D, I/ws]. Tensor-parallel inside every expert (each
-    rank holds all experts, a slice of the intermediate dim): at one request this balances the bytes each rank
-    reads, where expert parallelism leaves the rank that owns the most chosen experts reading more
-    (`bench.py moe-split` measures both)."""
+    """Routed experts stacked per layer. INT4: w13_packed [E, 2I/ws, D/8] int32 (gate rows then up
+    rows), w13_scale [E, 2I/ws, D/gs], w2_packed [E, D, I/ws/8], w2_scale [E, D, I/ws/gs]; never
+    dequantized as a whole. Float checkpoints: w13 [E, 2I/ws, D], w2 [E, D, I/ws]. Tensor-parallel
+    inside every expert (each rank holds all experts, a slice of the intermediate dim): at one
+    request this balances the bytes each rank reads, where expert parallelism leaves the rank that
+    owns the most chosen experts reading more (`bench.py moe-split` measures both)."""
 
     def __init__(self, args: ModelArgs, quant: QuantArgs | None):
         super().__init__()
-        E, D, inter = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size // world_size
+        E, D = args.n_routed_experts, args.hidden_size
+        inter = args.moe_intermediate_size // world_size
         self.inter, self.quant = inter, quant
         if quant:
             gs = quant.group_size
             sdt = torch.get_default_dtype()
-            self.w13_packed = nn.Parameter(torch.empty(E, 2 * inter, D // 8, dtype=torch.int32), requires_grad=False)
-            self.w13_scale = nn.Parameter(torch.empty(E, 2 * inter, D // gs, dtype=sdt), requires_grad=False)
-            self.w2_packed = nn.Parameter(torch.empty(E, D, inter // 8, dtype=torch.int32), requires_grad=False)
-            self.w2_scale = nn.Parameter(torch.empty(E, D, inter // gs, dtype=sdt), requires_grad=False)
+            self.w13_packed = nn.Parameter(torch.empty(E, 2 * inter, D // 8, dtype=torch.int32),
+                                           requires_grad=False)
+            self.w13_scale = nn.Parameter(torch.empty(E, 2 * inter, D // gs, dtype=sdt),
+                                          requires_grad=False)
+            self.w2_packed = nn.Parameter(torch.empty(E, D, inter // 8, dtype=torch.int32),
+                                          requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.empty(E, D, inter // gs, dtype=sdt),
+                                         requires_grad=False)
         else:
-            self.w13 = nn.Parameter(torch.empty(E, 2 * inter, D))                              # [E, 2I/ws, D]
-            self.w2 = nn.Parameter(torch.empty(E, D, inter))                                   # [E, D, I/ws]
+            self.w13 = nn.Parameter(torch.empty(E, 2 * inter, D))                  # [E, 2I/ws, D]
+            self.w2 = nn.Parameter(torch.empty(E, D, inter))                       # [E, D, I/ws]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 shared: nn.Module) -> torch.Tensor:
         """x [N, D], weights/ids [N, k], shared: the shared experts -> [N, D] fp32, this rank's
         partial sum of Σ_k w_k expert_k(x) + shared(x)."""
         if self.quant:
-            return int4_experts(x, ids, weights, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale,
-                                self.quant.group_size, shared=shared)
+            return int4_experts(x, ids, weights, self.w13_packed, self.w13_scale, self.w2_packed,
+                                self.w2_scale, self.quant.group_size, shared=shared)
         return float_experts(x, ids, weights, self.w13, self.w2) + shared(x).float()
 
 
@@ -628,7 +690,8 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Gate(args)
         self.experts = Experts(args, args.quant)
-        self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
+        self.shared_experts = MLP(args.hidden_size,
+                                  args.moe_intermediate_size * args.n_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] -> routed + shared experts [..., D], fp32 (the next residual add rounds it)"""
@@ -637,7 +700,7 @@ class MoE(nn.Module):
         w, ids = self.gate(x)
         y = self.experts(x, w, ids, shared=self.shared_experts)       # routed + shared, fp32
         if world_size > 1:
-            dist.all_reduce(y)                  # one all-reduce per MoE layer: routed + shared summed first
+            dist.all_reduce(y)      # one all-reduce per MoE layer: routed + shared summed first
         return y.view(shape)
 
 
@@ -649,7 +712,8 @@ class Block(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.self_attn = MLA(args)
-        self.mlp = MoE(args) if args.is_moe_layer(layer_id) else DenseMLP(args.hidden_size, args.intermediate_size)
+        self.mlp = (MoE(args) if args.is_moe_layer(layer_id)
+                    else DenseMLP(args.hidden_size, args.intermediate_size))
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -669,15 +733,16 @@ def residual(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return x + r.to(x.dtype)
 
 
-# Below this many new tokens the cache path uses absorbed MLA (decode, verify: memory-bound); above it,
-# naive MLA (prefill: decompressing K/V once beats absorbing every head's query).
+# Below this many new tokens the cache path uses absorbed MLA (decode, verify: memory-bound); above
+# it, naive MLA (prefill: decompressing K/V once beats absorbing every head's query).
 ABSORB_MAX_T = 64
 
 
 class Output(NamedTuple):
     """What Transformer.forward returns, whatever its arguments."""
     logits: torch.Tensor                 # [B, T, vocab] fp32 ([B, 1, vocab] with last_only)
-    hidden: torch.Tensor | None          # [B, T, len(hidden_layers) * hidden_size] the tapped layers; or None
+    # [B, T, len(hidden_layers) * hidden_size] the tapped layers; or None
+    hidden: torch.Tensor | None
 
 
 class Transformer(nn.Module):
@@ -697,13 +762,14 @@ class Transformer(nn.Module):
 
     @staticmethod
     def cache_shape(a: ModelArgs, max_batch_size: int, max_seq_len: int) -> tuple[int, ...]:
-        """One compressed latent + rope key per layer and slot (MLA): [layers, batch, slots, R + P]."""
+        """One compressed latent + rope key per layer and slot (MLA):
+        [layers, batch, slots, R + P]."""
         return a.num_hidden_layers, max_batch_size, max_seq_len, a.kv_lora_rank + a.qk_rope_head_dim
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
         p = self.embed_tokens.weight
-        self.kv_cache = torch.zeros(self.cache_shape(self.args, max_batch_size, max_seq_len), dtype=p.dtype,
-                                    device=p.device)
+        shape = self.cache_shape(self.args, max_batch_size, max_seq_len)
+        self.kv_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
 
     @property
     def max_seq_len(self) -> int:
@@ -712,40 +778,47 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, start_pos=None, positions=None, tree_mask=None,
                 hidden_layers=(), absorb=None, last_only: bool = False, debug: bool = False,
                 cache_row: int = 0) -> Output:
-        """tokens [B, T] -> Output: logits [B, T, vocab] fp32 (or [B, 1, vocab] with last_only), and the tapped
-        hidden states.
+        """tokens [B, T] -> Output: logits [B, T, vocab] fp32 (or [B, 1, vocab] with last_only), and
+        the tapped hidden states.
 
         start_pos None: no cache; causal attention over `tokens` (or `tree_mask`).
-        start_pos int / LongTensor [B]: the new tokens go to cache slots start_pos + [0, T); they see every
-          slot before start_pos and, among themselves, what tree_mask [B, T, T] bool allows (default causal;
-          or its rows packed, [B, T] int64 as tree_mask_bits makes them).
-        positions [B, T]: rope positions (default start_pos + arange(T); tree verify passes start + depth).
-        hidden_layers: Output.hidden holds the outputs of these layers, concatenated: [B, T, len * hidden_size]
-          (None when empty).
-        cache_row: the batch uses cache rows cache_row .. cache_row+B-1 (prefilling one sequence of a batch).
+        start_pos int / LongTensor [B]: the new tokens go to cache slots start_pos + [0, T); they
+          see every slot before start_pos and, among themselves, what tree_mask [B, T, T] bool
+          allows (default causal; or its rows packed, [B, T] int64 as tree_mask_bits makes them).
+        positions [B, T]: rope positions (default start_pos + arange(T); tree verify passes
+          start + depth).
+        hidden_layers: Output.hidden holds the outputs of these layers, concatenated:
+          [B, T, len * hidden_size] (None when empty).
+        cache_row: the batch uses cache rows cache_row .. cache_row+B-1 (prefilling one sequence of
+          a batch).
         """
         B, T = tokens.shape
-        slots = None if start_pos is None else _slots(start_pos, B, T, tokens.device)       # [B, T]
+        slots = None if start_pos is None else _slots(start_pos, B, T, tokens.device)    # [B, T]
         if positions is None:
             positions = _slots(0, B, T, tokens.device) if slots is None else slots
         if start_pos is not None:
             if self.kv_cache is None:
-                raise RuntimeError("call setup_cache(max_batch_size, max_seq_len) before a cached forward")
+                raise RuntimeError("call setup_cache(max_batch_size, max_seq_len) "
+                                   "before a cached forward")
             if isinstance(start_pos, int) and start_pos + T > self.max_seq_len:
-                raise ValueError(f"cache overflow: start_pos {start_pos} + {T} tokens > max_seq_len {self.max_seq_len}")
+                raise ValueError(f"cache overflow: start_pos {start_pos} + {T} tokens "
+                                 f"> max_seq_len {self.max_seq_len}")
         if absorb is None:
-            # decode and tree verify (any width) take the absorbed path, so every budget rounds like decoding
-            # does; so does a tensor start_pos (graph-captured steps: fixed shapes). Long prefills go naive.
+            # decode and tree verify (any width) take the absorbed path, so every budget rounds like
+            # decoding does; so does a tensor start_pos (graph-captured steps: fixed shapes). Long
+            # prefills go naive.
             absorb = start_pos is not None and (T <= ABSORB_MAX_T or tree_mask is not None
                                                 or not isinstance(start_pos, int))
         if tree_mask is None:      # causal: built once per forward, for every layer
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()   # [T, T]
             tree_mask = tree_mask.expand(B, T, T)
-        packed = tree_mask.dtype == torch.int64      # rows packed by the tree search (tree.Tree.mask_bits)
-        if absorb and T <= MASK_WORD_BITS and not packed:   # absorbed attention takes each row packed in a word:
-            tree_mask = tree_mask_bits(tree_mask)           # pack once per forward  [B, T] int64
-        elif packed and not absorb:                         # the naive path wants the bool mask
-            tree_mask = tree_mask_unpack(tree_mask)                                         # [B, T, T] bool
+        # rows packed by the tree search (tree.Tree.mask_bits)
+        packed = tree_mask.dtype == torch.int64
+        # absorbed attention takes each row packed in a word: pack once per forward
+        if absorb and T <= MASK_WORD_BITS and not packed:
+            tree_mask = tree_mask_bits(tree_mask)                          # [B, T] int64
+        elif packed and not absorb:                     # the naive path wants the bool mask
+            tree_mask = tree_mask_unpack(tree_mask)                        # [B, T, T] bool
         h, r = self.embed_tokens(tokens), None    # [B, T, D]; r: the last MLP output, not yet in h
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_attn_factor, positions, h.dtype)
         taps = []
@@ -769,7 +842,7 @@ class Transformer(nn.Module):
         logits = self.lm_head(h).float()
         if world_size > 1:
             parts = [torch.empty_like(logits) for _ in range(world_size)]
-            dist.all_gather(parts, logits)      # vocab-parallel lm_head: each rank holds V/ws columns
+            dist.all_gather(parts, logits)  # vocab-parallel lm_head: each rank holds V/ws columns
             logits = torch.cat(parts, dim=-1)
         return logits
 
@@ -783,14 +856,15 @@ def check_finite(t: torch.Tensor, where: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # Running under torchrun: WORLD_SIZE, RANK and LOCAL_RANK come from its environment.
 
-DEVICE_HELP = ("cpu, cuda or cuda:N (default: this rank's GPU, else the CPU); under torchrun the backend follows it: "
-               "NCCL on GPUs, gloo on the CPU")          # --device of generate.py (cli.py) and bench.py
+# --device of generate.py (cli.py) and bench.py
+DEVICE_HELP = ("cpu, cuda or cuda:N (default: this rank's GPU, else the CPU); under torchrun the "
+               "backend follows it: NCCL on GPUs, gloo on the CPU")
 
 
 def init_distributed(timeout_s: float = 300.0, device: str | None = None) -> torch.device:
-    """Join the torchrun process group (NCCL on GPUs, gloo on CPU) and return this rank's device: `device` (a
-    --device flag; "cuda" means this rank's GPU), else this rank's GPU if there is one, else the CPU. The backend
-    follows the device, so --device cpu on a GPU host runs over gloo."""
+    """Join the torchrun process group (NCCL on GPUs, gloo on CPU) and return this rank's device:
+    `device` (a --device flag; "cuda" means this rank's GPU), else this rank's GPU if there is one,
+    else the CPU. The backend follows the device, so --device cpu on a GPU host runs over gloo."""
     global world_size, rank
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -809,13 +883,13 @@ def init_distributed(timeout_s: float = 300.0, device: str | None = None) -> tor
 
 
 def close_distributed() -> None:
-    """Leave the process group at exit: every rank waits for the others, then tears down (without this, gloo
-    aborts at interpreter exit with 'terminate called without an active exception')."""
+    """Leave the process group at exit: every rank waits for the others, then tears down (without
+    this, gloo aborts at interpreter exit with 'terminate called without an active exception')."""
     if dist.is_initialized():
         dist.barrier()
         if dist.get_backend() == "gloo":
-            # NCCL is left to process exit: destroy_process_group() can hang in a process that captured NCCL
-            # all-reduces in a CUDA graph
+            # NCCL is left to process exit: destroy_process_group() can hang in a process that
+            # captured NCCL all-reduces in a CUDA graph
             dist.destroy_process_group()
 
 
