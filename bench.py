@@ -1856,8 +1856,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag, ok, want, got in [
             ("--batch", all(b >= 1 for b in a.batch), "batch sizes >= 1", a.batch),
             ("--n-prompts", a.n_prompts >= 0, ">= 0 (0: all)", a.n_prompts),
-            ("--temperature", a.temperature and all(finite(t) and t >= 0 for t in a.temperature),
-             "finite numbers >= 0", a.temperature),
+            ("--temperature", a.temperature and all(map(V.temperature_ok, a.temperature)),
+             f"{V.TEMPERATURE_RULE} (each value)", a.temperature),
             ("--budgets", bool(a.budgets), "at least one budget", a.budgets),
             ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1", a.max_new_tokens),
             ("--max-seq-len", a.max_seq_len >= 0, ">= 0 (0: as long as needed)", a.max_seq_len),

@@ -44,8 +44,8 @@ def check_args(a: argparse.Namespace) -> None:
                                  f"in [0, {MAX_BUDGET}] or auto", a.budget),
                                 ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1", a.max_new_tokens),
                                 ("--max-seq-len", a.max_seq_len >= 2, ">= 2", a.max_seq_len),
-                                ("--temperature", a.temperature == 0 or V.MIN_TEMPERATURE <= a.temperature < math.inf,
-                                 f"0 (greedy) or a finite number >= {V.MIN_TEMPERATURE:g}", a.temperature),
+                                ("--temperature", V.temperature_ok(a.temperature), V.TEMPERATURE_RULE,
+                                 a.temperature),
                                 ("--top-k", a.top_k >= 0, ">= 0 (0: off)", a.top_k),
                                 ("--top-p", 0 < a.top_p <= 1, "in (0, 1]", a.top_p),
                                 ("--seed", 0 <= a.seed < 2**63, "in [0, 2^63)", a.seed)]:

@@ -45,11 +45,18 @@ NO_TOKEN = -1           # sample() where a row has no token: no tree node has it
 MIN_TEMPERATURE = 1e-4
 
 
+TEMPERATURE_RULE = f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}"
+
+
+def temperature_ok(temperature: float) -> bool:
+    """TEMPERATURE_RULE: 0, or a finite temperature >= MIN_TEMPERATURE (NaN fails both)."""
+    return temperature == 0 or MIN_TEMPERATURE <= temperature < float("inf")
+
+
 def check_temperature(temperature: float, what: str = "temperature") -> None:
-    """0 (greedy) or a finite temperature >= MIN_TEMPERATURE, else a ValueError naming `what`."""
-    if temperature != 0 and not MIN_TEMPERATURE <= temperature < float("inf"):
-        raise ValueError(f"{what} must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
-                         f"got {temperature}")
+    """A ValueError naming `what` unless temperature_ok."""
+    if not temperature_ok(temperature):
+        raise ValueError(f"{what} must be {TEMPERATURE_RULE}, got {temperature}")
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0,

@@ -616,7 +616,9 @@ def test_worst_legal_looking_flags(ckpt, capsys, monkeypatch, argv, words):
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["e2e", "--temperature", "nan"], "--temperature must be finite numbers >= 0, got [nan]"),
+    (["e2e", "--temperature", "nan"], "--temperature must be 0 (greedy) or a finite number >= 0.0001 "
+                                      "(each value), got [nan]"),
+    (["e2e", "--temperature", "0,1e-30"], "(each value), got [0.0, 1e-30]"),
     (["e2e", "--temperature", ","], "--temperature"),
     (["e2e", "--batch", "0"], "--batch must be batch sizes >= 1"),
     (["e2e", "--n-prompts", "-1"], "--n-prompts must be >= 0"),
