@@ -636,10 +636,7 @@ def _load_slice(sl, dest: torch.Tensor, sd: int | None, key: str, name: str, fna
                 args: DraftArgs) -> None:
     """Check one checkpoint tensor's dtype and full (unsharded) shape, then copy this rank's slice
     into dest."""
-    dtype = C.DTYPES.get(sl.get_dtype())
-    if dtype is None or not dtype.is_floating_point:
-        raise CheckpointError(f"tensor {name} in {fname} has dtype {dtype or sl.get_dtype()}, "
-                              "expected a float")
+    C._check_dtype(name, fname, sl, dest.dtype)           # any float, as the target's
     shape = tuple(sl.get_shape())
     full = list(dest.shape)
     if sd is not None:
