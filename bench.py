@@ -769,16 +769,16 @@ def step_inputs(args: M.ModelArgs, T: int, ctx: int, tree: str, device, dtype, s
     x = torch.randn(1, T, args.hidden_size, generator=g).to(device, dtype)               # [1, T, D]
     r = torch.randn(1, T, args.hidden_size, generator=g).to(device) * 0.1                # the last MoE output, fp32
     # what Transformer.forward computes once for all 61 layers, so not part of one layer's step: the start as a
-    # tensor (a captured decode step's), the new tokens' cache slots and the mask rows packed into int64 words
+    # tensor (a captured decode step's) and the new tokens' cache slots
     start = torch.tensor([ctx], device=device)                                           # [1]
     return dict(x=x, r=r, cos=cos, sin=sin, mask=mask[None].to(device), positions=positions, start=start,
-                slots=M._slots(start, 1, T, device), bits=M.tree_mask_bits(mask[None].to(device)))
+                slots=M._slots(start, 1, T, device))
 
 
 def layer_step(block: M.Block, s: dict, cache: torch.Tensor, r: bool = True):
     """One layer's decode / verify step as Transformer.forward runs it (absorbed MLA, per-forward inputs given): the
     previous layer's MLP output s["r"] added first (r=False: none, the input is s["x"] alone). Returns (x, MLP out)."""
-    return lambda: block(s["x"], s["r"] if r else None, s["cos"], s["sin"], cache, s["start"], s["bits"], True,
+    return lambda: block(s["x"], s["r"] if r else None, s["cos"], s["sin"], cache, s["start"], s["mask"], True,
                          s["slots"])
 
 
@@ -1601,7 +1601,7 @@ def bench_kernels(a, device, dtype) -> dict:
                     q_pe = torch.randn(1, T, H, P, device=device, dtype=dtype)
                     cache = torch.randn(1, prefix + T + 5, R + P, device=device, dtype=dtype)
                     parents = torch.tensor([-1] + [int(torch.randint(0, t, ())) for t in range(1, T)])
-                    bits = M.tree_mask_bits(ancestor_mask(parents)[None].to(device))          # [1, T] int64
+                    mask = ancestor_mask(parents)[None].to(device)                             # [1, T, T]
                     wide = T * H >= kernels.ATTN_WIDE["min_rows"]
                     block = (kernels.ATTN_WIDE if wide else kernels.ATTN_BLOCKS)["BLOCK_Q"]
                     work = mla_attention_work(T, H, prefix + T, R, P, block)
@@ -1609,7 +1609,7 @@ def bench_kernels(a, device, dtype) -> dict:
 
                     def columns(us):
                         return f" {work['flops_executed'] / us / 1e6:>8.0f} {floor:>8.1f} {100 * floor / us:>6.1f}%"
-                    args = (q_lat, q_pe, cache, torch.tensor([prefix], device=device), bits, scale)
+                    args = (q_lat, q_pe, cache, torch.tensor([prefix], device=device), mask, scale)
                     return args, work["bytes"], columns
                 rows.append(_kernel_row(f"{H:>3} {T:>3} {prefix:>7}", case, kernels.mla_tree_attention,
                                         M.mla_tree_attention.ref, tol, bw, device))
@@ -1660,7 +1660,7 @@ def kernel_sweep(device, dtype) -> dict:
     for H, T, prefix in ((8, 1, 32768), (8, 9, 32768), (8, 17, 32768), (8, 33, 32768), (64, 9, 4096)):
         args = (torch.randn(1, T, H, R, device=device, dtype=dtype), torch.randn(1, T, H, P, device=device, dtype=dtype),
                 torch.randn(1, prefix + T, R + P, device=device, dtype=dtype), torch.tensor([prefix], device=device),
-                M.tree_mask_bits(torch.ones(1, T, T, dtype=torch.bool, device=device).tril()), 0.14468)
+                torch.ones(1, T, T, dtype=torch.bool, device=device).tril(), 0.14468)
         attn[(H, T, prefix)] = (lambda a: lambda: kernels.mla_tree_attention(*a))(args)
     print0(f"MLA attention, us at (H, T, prefix) = {list(attn)}; defaults {kernels.ATTN_BLOCKS} "
            f"{kernels.ATTN_SPLITS} {kernels.ATTN_WIDE}")

@@ -388,10 +388,10 @@ def _split_len(L, NUM_SPLITS, MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, bits_ptr, o_ptr, lse_ptr,
+def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, mask_ptr, o_ptr, lse_ptr,
                       sm_scale, T, H, NUM_SPLITS, stride_cb, stride_cs, stride_qb, stride_qt, stride_qh,
-                      R: tl.constexpr, P: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                      BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr):
+                      stride_mb, stride_mt, R: tl.constexpr, P: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                      BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, TREE: tl.constexpr):
     # the q blocks of one split are launched next to each other, so the cache tiles that the first one reads are
     # still in L2 for the others (the cache is read from HBM about once, not once per block)
     b, split = tl.program_id(2), tl.program_id(1)
@@ -411,7 +411,11 @@ def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, bits_ptr, o_pt
     q_rows = q_lat_ptr + b * stride_qb + (rows // H) * stride_qt + (rows % H) * stride_qh
     q_lat = tl.load(q_rows[:, None] + offs_r[None, :], mask=row_mask[:, None], other=0.0)
     q_pe = tl.load(q_pe_ptr + (b * T * H + rows)[:, None] * P + offs_p[None, :], mask=row_mask[:, None], other=0.0)
-    bits = tl.load(bits_ptr + b * T + rows // H, mask=row_mask, other=0)       # [BLOCK_Q] int64 tree-mask words
+    # each query row's tree-mask row [T] bool, packed once into an int64 word: bit j = tree slot j visible
+    j_tree = tl.arange(0, TREE)
+    tm = tl.load(mask_ptr + b * stride_mb + (rows // H)[:, None] * stride_mt + j_tree[None, :],
+                 mask=row_mask[:, None] & (j_tree < T)[None, :], other=0)
+    bits = tl.sum(tl.where(tm != 0, tl.full([BLOCK_Q, TREE], 1, tl.int64) << j_tree[None, :].to(tl.int64), 0), 1)
 
     m_i = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)                 # running max
     l_i = tl.zeros((BLOCK_Q,), dtype=tl.float32)                               # running sum of exp
@@ -485,13 +489,15 @@ def _merge_splits(o_part, lse_part, prefix_len, out, T: int, H: int, MIN_SPLIT: 
         SPLITS=SPLITS, BLOCK_R=BLOCK_R, num_warps=ATTN_MERGE["num_warps"])
 
 
+ATTN_MAX_T = 64         # a query row's tree-mask row is packed into one int64 word
+
+
 def _mla_attention_fits(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=None):
-    # the mask packed, one word per row (model.tree_mask_bits): T slots must fit a word's bits
     B, T, H, R = q_lat.shape
     return (_gpu(q_lat) and _pow2(R, 16) and _pow2(q_pe.shape[-1], 16) and q_lat.stride(-1) == 1
             and q_lat.dtype == q_pe.dtype == cache.dtype and cache.shape[0] >= B and cache.is_contiguous()
             and isinstance(prefix_len, torch.Tensor)
-            and tree_mask.dtype == torch.int64 and T <= 8 * tree_mask.element_size()
+            and tree_mask.dtype == torch.bool and T <= ATTN_MAX_T and tree_mask.stride(-1) == 1
             and (out is None or out.is_contiguous()))
 
 
@@ -501,7 +507,6 @@ def _mla_attention_fits(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale
 def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=None):
     (B, T, H, R), P = q_lat.shape, q_pe.shape[-1]
     q_pe, prefix_len = q_pe.contiguous(), prefix_len.contiguous()
-    bits = tree_mask.contiguous()              # [B, T] rows packed by model.tree_mask_bits: bit j of row t = slot j
     if out is None:
         out = torch.empty(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)
     wide = T * H >= ATTN_WIDE["min_rows"]
@@ -513,9 +518,9 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale,
     o_part = _empty((B, num_splits, T * H, R), torch.float32, q_lat.device)
     lse_part = _empty((B, num_splits, T * H), torch.float32, q_lat.device)
     _mla_split_kernel[(n_qblocks, num_splits, B)](
-        q_lat, q_pe, cache, prefix_len, bits, o_part, lse_part,
+        q_lat, q_pe, cache, prefix_len, tree_mask.view(torch.int8), o_part, lse_part,
         softmax_scale, T, H, num_splits, cache.stride(0), cache.stride(1), *q_lat.stride()[:3],
-        R=R, P=P, MIN_SPLIT=MIN_SPLIT, **cfg)
+        *tree_mask.stride()[:2], R=R, P=P, MIN_SPLIT=MIN_SPLIT, TREE=max(16, triton.next_power_of_2(T)), **cfg)
     _merge_splits(o_part, lse_part, prefix_len, out, T, H, MIN_SPLIT, BLOCK_S)
     return out
 
@@ -1439,31 +1444,33 @@ def rank_topk(logp, k):
 # best-first search with the heap replaced by a pool of 2B candidate slots held in registers:
 #   slots     popping node i pushes at most two candidates, its next sibling (slot 2i) and its first child (slot
 #             2i+1); the root's first child starts in slot 1
-#   order     a pop takes the live candidate with the largest score, ties to the smallest rank tuple. Instead of
-#             packing whole tuples, each live candidate keeps `pos`, its rank in tuple order among the live ones.
+#   order     a pop takes the live candidate with the largest score, ties to the smallest depth, then the smallest
+#             rank tuple. Instead of packing whole tuples, each live candidate keeps `pos`, its rank in tuple order
+#             among the live ones.
 #             Live tuples never contain one another (a candidate's proper prefixes are all popped), so when t at
 #             position P is popped, its first child (t, 0) takes P and its next sibling comes right after (P+1):
 #             no live tuple lies between t and either of them; every live candidate after P moves up by one.
 #   key       one int64 per slot orders the pool like the heap: bits 63..32 the score's float32 bits mapped to an
-#             order-preserving int32 (decoded back bit-exactly), bits 31..24 255 - pos, bits 23..0 parent | depth
-#             << 8 | rank << 16. Live positions are distinct, so one tl.max pops the unique best and decodes it.
+#             order-preserving int32 (decoded back bit-exactly), bits 31..24 255 - depth, bits 23..16 255 - pos,
+#             bits 15..0 parent | rank << 8. Live positions are distinct, so one tl.max pops the unique best and
+#             decodes it.
 # After i pops the live slots are the heap's entries, so the max key is the (i+1)-th prefix in key order; scores
 # add up as in the reference (parent score + logp in float32). No live slot left (tiny vocabulary): padding nodes.
 
 TREE_MAX_BUDGET = 64    # parents are nodes < 64, so a parent's mask row fits one int64 (node 64 is never a parent)
-TREE_MAX_DEPTH = 255    # depth is an 8-bit field of the key's payload
+TREE_MAX_DEPTH = 255    # depth is an 8-bit field of the key
 
 
 @triton.jit
 def _key(score, pos, parent, depth, rank):
     # a candidate's int64 key (see the header above); the int64 casts come before the shifts
-    return (tl.cast(_sortable(score), tl.int64) << 32) | (tl.cast(255 - pos, tl.int64) << 24) \
-        | tl.cast(parent | (depth << 8) | (rank << 16), tl.int64)
+    return (tl.cast(_sortable(score), tl.int64) << 32) | (tl.cast(255 - depth, tl.int64) << 24) \
+        | tl.cast(((255 - pos) << 16) | parent | (rank << 8), tl.int64)
 
 
 @triton.jit
-def _tree_kernel(lp_ptr, tok_ptr, roots_ptr, tokens_ptr, parents_ptr, depths_ptr, scores_ptr, valid_ptr, bits_ptr,
-                 mask_ptr, lp_sb, lp_sd, tok_sb, tok_sd, L, K, B,
+def _tree_kernel(lp_ptr, tok_ptr, roots_ptr, tokens_ptr, parents_ptr, depths_ptr, scores_ptr, valid_ptr, mask_ptr,
+                 lp_sb, lp_sd, tok_sb, tok_sd, L, K, B,
                  NODES: tl.constexpr, PARENTS: tl.constexpr, SLOTS: tl.constexpr):
     # lp / tok [b, L, K] (f32 / i64, batch and depth strides lp_sb ...), roots [b]; out: the node fields [b, N], mask
     # [b, N, N] (valid and mask as int8 views of bool). L depths, K ranks kept per depth (min(B, V)), B the budget.
@@ -1472,7 +1479,7 @@ def _tree_kernel(lp_ptr, tok_ptr, roots_ptr, tokens_ptr, parents_ptr, depths_ptr
     NEG_INF: tl.constexpr = float("-inf")
     # a dead slot: below every live key (a score of -inf maps to a larger top word), and with its
     # position field at 255 it never counts as "after" the popped node, so the position shift skips it
-    DEAD: tl.constexpr = -(1 << 63) + (255 << 24)
+    DEAD: tl.constexpr = -(1 << 63) + (255 << 16)
     row = tl.program_id(0).to(tl.int64)
     N = B + 1
     lp_ptr += row * lp_sb
@@ -1489,7 +1496,6 @@ def _tree_kernel(lp_ptr, tok_ptr, roots_ptr, tokens_ptr, parents_ptr, depths_ptr
     tl.store(depths_ptr + out, 0)
     tl.store(scores_ptr + out, 0.0)
     tl.store(valid_ptr + out, 1)
-    tl.store(bits_ptr + out, 1)
     tl.store(mask_ptr + out * N + col, (col == 0).to(tl.int8), mask=col < N)
     n_score = tl.zeros([PARENTS], tl.float32)                         # [PARENTS] f32 node scores (root: 0.0)
     n_bits = tl.where(node == 0, tl.full([PARENTS], 1, tl.int64), 0)  # [PARENTS] i64 mask rows as bit sets
@@ -1505,11 +1511,11 @@ def _tree_kernel(lp_ptr, tok_ptr, roots_ptr, tokens_ptr, parents_ptr, depths_ptr
         real = best != DEAD                                        # False: the pool is empty, node i is padding
         c_key = tl.where(c_key == best, DEAD, c_key)               # (keys are unique: exactly node i's slot)
         score = _unsortable((best >> 32).to(tl.int32))
-        pos = 255 - ((best >> 24) & 255).to(tl.int32)
-        info = (best & 0xFFFFFF).to(tl.int32)
+        pos = 255 - ((best >> 16) & 255).to(tl.int32)
+        info = (best & 0xFFFF).to(tl.int32)
         parent = tl.where(real, info & 255, -1)
-        depth = tl.where(real, (info >> 8) & 255, 0)
-        rank = info >> 16                                          # (meaningless when not real)
+        depth = tl.where(real, 255 - ((best >> 24) & 255).to(tl.int32), 0)
+        rank = info >> 8                                           # (meaningless when not real)
         dpos = tl.maximum(depth - 1, 0)                            # row of lp / tok for node i's depth
         # the loads go first: their latency hides behind the two reductions below (and a load placed
         # after this iteration's stores could not be moved above them: the pointers might alias)
@@ -1530,7 +1536,6 @@ def _tree_kernel(lp_ptr, tok_ptr, roots_ptr, tokens_ptr, parents_ptr, depths_ptr
         tl.store(depths_ptr + out + i, depth.to(tl.int64))
         tl.store(scores_ptr + out + i, score)
         tl.store(valid_ptr + out + i, real.to(tl.int8))
-        tl.store(bits_ptr + out + i, row_bits)
         in_row = (((row_bits >> (col & 63)) & 1) != 0) & (col < 64)  # [NODES]
         tl.store(mask_ptr + (out + i) * N + col, (in_row | (col == i)).to(tl.int8), mask=col < N)
         n_score = tl.where(node == i, score, n_score)
@@ -1538,8 +1543,8 @@ def _tree_kernel(lp_ptr, tok_ptr, roots_ptr, tokens_ptr, parents_ptr, depths_ptr
 
         # 3) push. Live candidates after i's position move up one (their field 255 - pos goes down one);
         # the next sibling (slot 2i) takes position pos+1, the first child (slot 2i+1) takes pos.
-        shift = ((c_key >> 24) & 255) < 255 - pos                  # [SLOTS]
-        c_key = tl.where(shift, c_key - (1 << 24), c_key)          # (the field is >= 191: no borrow)
+        shift = ((c_key >> 16) & 255) < 255 - pos                  # [SLOTS]
+        c_key = tl.where(shift, c_key - (1 << 16), c_key)          # (the field is >= 191: no borrow)
         sib = tl.where(sib_ok, _key(pscore + sib_lp, pos + 1, parent, depth, rank + 1), DEAD)
         kid = tl.where(kid_ok, _key(score + kid_lp, pos, i, depth + 1, 0), DEAD)
         c_key = tl.where(slot == 2 * i, sib, tl.where(slot == 2 * i + 1, kid, c_key))
@@ -1551,34 +1556,34 @@ def _tree_kernel(lp_ptr, tok_ptr, roots_ptr, tokens_ptr, parents_ptr, depths_ptr
 @torch.compiler.disable
 def ddtree_search(lp, tok, roots, budget):
     """Ranked drafts lp / tok [b, L, K], roots [b] -> the tree's N = budget + 1 nodes: tokens, parents, depths [b, N]
-    int64, scores [b, N] float32, valid [b, N] bool, ancestor mask [b, N, N] bool, and its rows packed [b, N] int64
-    (bit j of row i = mask[i, j]; None when N > 64)."""
+    int64, scores [b, N] float32, valid [b, N] bool, ancestor mask [b, N, N] bool."""
     bsz, L, K = lp.shape
     N, dev = budget + 1, lp.device
-    tokens, parents, depths, bits = torch.empty(4, bsz, N, dtype=torch.long, device=dev)     # [b, N] each
+    tokens, parents, depths = torch.empty(3, bsz, N, dtype=torch.long, device=dev)     # [b, N] each
     scores = torch.empty(bsz, N, dtype=torch.float32, device=dev)
     valid = torch.empty(bsz, N, dtype=torch.bool, device=dev)
     mask = torch.empty(bsz, N, N, dtype=torch.bool, device=dev)
     # one warp: a pop is two reductions over <= 128 slots, shuffles only
     _tree_kernel[(bsz,)](
-        lp, tok, roots, tokens, parents, depths, scores, valid.view(torch.int8), bits, mask.view(torch.int8),
+        lp, tok, roots, tokens, parents, depths, scores, valid.view(torch.int8), mask.view(torch.int8),
         lp.stride(0), lp.stride(1), tok.stride(0), tok.stride(1), L, K, budget,
         NODES=triton.next_power_of_2(N), PARENTS=triton.next_power_of_2(budget),
         SLOTS=triton.next_power_of_2(2 * budget), num_warps=1)
-    # rows packed one word each (model.MASK_WORD_BITS: the bits of `bits`' int64) when N slots fit
-    packed = bits if N <= 8 * bits.element_size() else None
-    return tokens, parents, depths, scores, valid, mask, packed
+    return tokens, parents, depths, scores, valid, mask
 
 
 # ----------------------------------------------------------------------------------------------------------
 # 7. Verify (verify.py).
 
-# accept: the accepted path of a tree whose mask rows are packed (ddtree_search's, N <= 64). Node i matches when its
-# token is the target's token at its parent; i is on the path when every node of its root-to-i path below the root
-# matches: its mask word (its ancestors and itself) has no bit outside the matching nodes, bit 0 (the root, always
-# committed) aside. Grid: one program per tree. One launch instead of ~17 ops. Reference: verify.accept.
+# accept: the accepted path of a tree of N <= ACCEPT_MAX_N nodes. Node i matches when its token is the target's token
+# at its parent; i is on the path when every node of its root-to-i path below the root matches: its ancestor-mask row
+# (its ancestors and itself) marks no node outside the matching ones, the root (always committed) aside. Grid: one
+# program per tree, its mask one [N, N] tile. One launch instead of ~17 ops. Reference: verify.accept.
+ACCEPT_MAX_N = 64
+
+
 @triton.jit
-def _tree_accept_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, bits_ptr, target_ptr, accepted_ptr, len_ptr, bonus_ptr,
+def _tree_accept_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, mask_ptr, target_ptr, accepted_ptr, len_ptr, bonus_ptr,
                         N, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * N
     i = tl.arange(0, BLOCK)
@@ -1587,9 +1592,9 @@ def _tree_accept_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, bits_ptr, target_p
     parent = tl.maximum(tl.load(par_ptr + row + i, mask=m, other=0), 0)
     match = (tok == tl.load(target_ptr + row + parent, mask=m, other=0)) & (tl.load(valid_ptr + row + i, mask=m,
                                                                                       other=0) != 0) & m
-    # the matching nodes as one word (disjoint bits: the sum is their OR, node 63 wraps into the sign bit)
-    match_bits = tl.sum(tl.where(match, tl.full([BLOCK], 1, tl.int64) << i.to(tl.int64), 0), 0) | 1
-    ok = ((tl.load(bits_ptr + row + i, mask=m, other=0) & (match_bits ^ -1)) == 0) & m
+    anc = tl.load(mask_ptr + (row + i)[:, None] * N + i[None, :], mask=m[:, None] & m[None, :], other=0) != 0
+    bad = anc & ~(match | (i == 0))[None, :]                                   # [node i, node j] j breaks i's path
+    ok = (tl.sum(bad.to(tl.int32), 1) == 0) & m
     depth = tl.load(dep_ptr + row + i, mask=m, other=0)
     accept_len = tl.sum(ok.to(tl.int64), 0)
     deepest = tl.argmax(tl.where(ok, depth, -1), 0)     # the ok nodes form one chain: their depths are distinct
@@ -1601,13 +1606,13 @@ def _tree_accept_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, bits_ptr, target_p
     tl.store(bonus_ptr + tl.program_id(0), tl.load(target_ptr + row + deepest))
 
 
-@register("accept", fits=lambda tree, target_tokens: _glue(target_tokens) and tree.mask_bits is not None)
+@register("accept", fits=lambda tree, target_tokens: _glue(target_tokens) and tree.tokens.shape[-1] <= ACCEPT_MAX_N)
 def accept(tree, target_tokens):
     B, N = tree.tokens.shape
     accepted = torch.empty(B, N, dtype=torch.long, device=target_tokens.device)
     accept_len, bonus = torch.empty(2, B, dtype=torch.long, device=target_tokens.device)
     fields = [t.contiguous() for t in (tree.tokens, tree.parents, tree.depths, tree.valid.view(torch.int8),
-                                       tree.mask_bits, target_tokens)]
+                                       tree.ancestor_mask.view(torch.int8), target_tokens)]
     _tree_accept_kernel[(B,)](*fields, accepted, accept_len, bonus, N, BLOCK=max(16, triton.next_power_of_2(N)),
                               num_warps=2)
     return accepted, accept_len, bonus

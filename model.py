@@ -304,25 +304,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 # compressed cache. The new tokens see the committed prefix and, among themselves, what the tree
 # mask allows (their ancestors).
 
-MASK_WORD_BITS = 64     # tree slots one packed mask row holds: the bits of an int64
-
-
-def tree_mask_bits(tree_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T, T] bool -> [B, T] int64, bit j of row t set iff tree_mask[b, t, j] (T <= 64): a
-    forward packs its mask once, not once per layer. Disjoint bits, so sum == OR; bit 63 wraps into
-    the sign bit."""
-    T = tree_mask.shape[-1]
-    assert T <= MASK_WORD_BITS, (
-        f"one int64 word per row holds at most {MASK_WORD_BITS} tree slots, got T={T}")
-    return (tree_mask.long() << torch.arange(T, device=tree_mask.device)).sum(-1)
-
-
-def tree_mask_unpack(bits: torch.Tensor) -> torch.Tensor:
-    """tree_mask_bits' inverse: [B, T] int64 -> [B, T, T] bool"""
-    T = bits.shape[-1]
-    return (bits[..., None] >> torch.arange(T, device=bits.device)) & 1 == 1
-
-
 def mla_latent(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                sin: torch.Tensor):
     """What the cache keeps per token: kv [B, T, R+P] (kv_a_proj_with_mqa's output) ->
@@ -347,12 +328,9 @@ def mla_latent_to_cache(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos:
 def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale: float, out=None):
     """Absorbed MLA attention: q_lat [B, T, H, R], q_pe [B, T, H, P] over cache [B, S, R+P] (the
     latent is both key and value) -> [B, T, H, R]. Query t of row b sees slot s < prefix_len[b] (the
-    committed prefix) and tree slot prefix_len[b] + j where tree_mask[b, t, j] ([B, T, T] bool, or
-    its rows packed by tree_mask_bits)."""
+    committed prefix) and tree slot prefix_len[b] + j where tree_mask[b, t, j] ([B, T, T] bool)."""
     B, T, H, R = q_lat.shape
     S = cache.shape[1]
-    if tree_mask.dtype == torch.int64:
-        tree_mask = tree_mask_unpack(tree_mask)                                 # [B, T, T] bool
     kv, k_pe = cache[..., :R].float(), cache[..., R:].float()               # [B, S, R], [B, S, P]
     scores = (torch.einsum("bthr,bsr->bths", q_lat.float(), kv)
               + torch.einsum("bthp,bsp->bths", q_pe.float(), k_pe))
@@ -404,8 +382,7 @@ class MLA(nn.Module):
         """x [B, T, D]. cache: this layer's [Bmax, S, R+P] slice or None (no cache: attention over
         x alone). start_pos: int or LongTensor [B] = slot of the first new token. tree_mask
         [B, T, T] bool: what the new tokens see among themselves (Transformer.forward makes the
-        causal default); the absorbed path also takes it packed, [B, T] int64 (tree_mask_bits).
-        slots [B, T]: the new tokens' cache slots, start_pos + [0, T) (Transformer computes them
+        causal default). slots [B, T]: the new tokens' cache slots, start_pos + [0, T) (Transformer computes them
         once)."""
         B, T, _ = x.shape
         qkv_a = self.qkv_a_proj(x)                                   # [B, T, q_lora + R + P]
@@ -784,7 +761,7 @@ class Transformer(nn.Module):
         start_pos None: no cache; causal attention over `tokens` (or `tree_mask`).
         start_pos int / LongTensor [B]: the new tokens go to cache slots start_pos + [0, T); they
           see every slot before start_pos and, among themselves, what tree_mask [B, T, T] bool
-          allows (default causal; or its rows packed, [B, T] int64 as tree_mask_bits makes them).
+          allows (default causal).
         positions [B, T]: rope positions (default start_pos + arange(T); tree verify passes
           start + depth).
         hidden_layers: Output.hidden holds the outputs of these layers, concatenated:
@@ -812,13 +789,6 @@ class Transformer(nn.Module):
         if tree_mask is None:      # causal: built once per forward, for every layer
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()   # [T, T]
             tree_mask = tree_mask.expand(B, T, T)
-        # rows packed by the tree search (tree.Tree.mask_bits)
-        packed = tree_mask.dtype == torch.int64
-        # absorbed attention takes each row packed in a word: pack once per forward
-        if absorb and T <= MASK_WORD_BITS and not packed:
-            tree_mask = tree_mask_bits(tree_mask)                          # [B, T] int64
-        elif packed and not absorb:                     # the naive path wants the bool mask
-            tree_mask = tree_mask_unpack(tree_mask)                        # [B, T, T] bool
         h, r = self.embed_tokens(tokens), None    # [B, T, D]; r: the last MLP output, not yet in h
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_attn_factor, positions, h.dtype)
         taps = []

@@ -15,8 +15,8 @@ Definitions, shared bit for bit by both builders:
              (rank_topk)
   prefix     a tuple of ranks (r_1..r_d); score = ((0 + logp_1[r_1]) + logp_2[r_2]) + ...,
              accumulated in depth order in float32 (so every builder rounds identically)
-  key        (-score, rank tuple), compared like Python tuples: a proper prefix sorts before its
-             extensions
+  key        (-score, depth, rank tuple), compared like Python tuples: of equally probable
+             prefixes the shallower comes first, then the lower ranks
   tree       the first `budget` prefixes by key (the root is not counted), numbered 1..budget in
              key order
 
@@ -50,7 +50,6 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-import model as M
 
 
 @dataclass
@@ -61,9 +60,6 @@ class Tree:
     scores: torch.Tensor         # [..., N] float32 log Q(prefix); 0 for root, -inf for padding
     valid: torch.Tensor          # [..., N] bool, False only for padding nodes
     ancestor_mask: torch.Tensor  # [..., N, N] bool, row i: i's ancestors (root included) and i
-    # [..., N] int64: ancestor_mask's rows packed (bit j of word i = ancestor_mask[i, j], bit 63
-    # the sign bit), the form the target's attention and the accept kernel take; None when N > 64
-    mask_bits: torch.Tensor | None = None
 
     def __getitem__(self, i) -> Tree:
         """Index the batch dim: tree[b] is row b of a batched tree."""
@@ -73,14 +69,7 @@ class Tree:
         return self._map(lambda t: t.to(device))
 
     def _map(self, fn) -> Tree:
-        return Tree(*(None if (t := getattr(self, f.name)) is None else fn(t)
-                      for f in fields(self)))
-
-
-def pack_rows(mask: torch.Tensor) -> torch.Tensor | None:
-    """The tree's mask rows packed as the target's attention takes them (model.tree_mask_bits):
-    [..., N, N] bool -> [..., N] int64, or None when N > 64 (one word per row)."""
-    return M.tree_mask_bits(mask) if mask.shape[-1] <= M.MASK_WORD_BITS else None
+        return Tree(*(fn(getattr(self, f.name)) for f in fields(self)))
 
 
 # -----------------------------------------------------------------------------
@@ -118,8 +107,8 @@ def build_tree_heap(draft_logits: torch.Tensor, root: int | torch.Tensor, budget
     tuples (as in liranringel/ddtree). Returns CPU tensors.
 
     Each pop emits the next node, then pushes its next sibling and its first child. Pushed keys
-    never precede the popped key (logp <= 0), so pops come out in key order and the first `budget`
-    pops are the tree."""
+    never precede the popped key (logp <= 0; a child is one deeper), so pops come out in key order
+    and the first `budget` pops are the tree."""
     L, V = draft_logits.shape
     K = min(budget, V)
     assert budget >= 0
@@ -127,18 +116,18 @@ def build_tree_heap(draft_logits: torch.Tensor, root: int | torch.Tensor, budget
     lp, tok = lp.cpu().numpy(), tok.cpu().tolist()  # [L, K] each; numpy keeps float32 arithmetic
     zero = np.float32(0.0)
     tokens, parents, depths, scores = [int(root)], [-1], [0], [zero]
-    # heap entry: (-score, rank tuple, parent node, parent score); the tuple breaks score ties
-    heap = [(-(zero + lp[0, 0]), (0,), 0, zero)] if K > 0 and L > 0 else []
+    # heap entry: (-score, depth, rank tuple, parent node, parent score): the key, then the rest
+    heap = [(-(zero + lp[0, 0]), 1, (0,), 0, zero)] if K > 0 and L > 0 else []
     while heap and len(tokens) <= budget:
-        neg_score, ranks, parent, parent_score = heapq.heappop(heap)
-        score, d, r, node = -neg_score, len(ranks), ranks[-1], len(tokens)
+        neg_score, d, ranks, parent, parent_score = heapq.heappop(heap)
+        score, r, node = -neg_score, ranks[-1], len(tokens)
         tokens.append(tok[d - 1][r]); parents.append(parent); depths.append(d); scores.append(score)
         # next sibling: parent_score + logp, never score - logp[r] + logp[r+1] (rounding)
         if r + 1 < K:
             sib = parent_score + lp[d - 1, r + 1]
-            heapq.heappush(heap, (-sib, ranks[:-1] + (r + 1,), parent, parent_score))
+            heapq.heappush(heap, (-sib, d, ranks[:-1] + (r + 1,), parent, parent_score))
         if d < L:  # first child
-            heapq.heappush(heap, (-(score + lp[d, 0]), ranks + (0,), node, score))
+            heapq.heappush(heap, (-(score + lp[d, 0]), d + 1, ranks + (0,), node, score))
     # pad to the fixed size budget + 1 (only when fewer than `budget` prefixes exist)
     n, N = len(tokens), budget + 1
     tokens += [int(root)] * (N - n); parents += [-1] * (N - n); depths += [0] * (N - n)
@@ -147,7 +136,7 @@ def build_tree_heap(draft_logits: torch.Tensor, root: int | torch.Tensor, budget
     return Tree(tokens=torch.tensor(tokens), parents=torch.tensor(parents),
                 depths=torch.tensor(depths),
                 scores=torch.tensor(np.array(scores, dtype=np.float32)),
-                valid=torch.arange(N) < n, ancestor_mask=mask, mask_bits=pack_rows(mask))
+                valid=torch.arange(N) < n, ancestor_mask=mask)
 
 
 # -----------------------------------------------------------------------------
@@ -156,16 +145,16 @@ def build_tree_heap(draft_logits: torch.Tensor, root: int | torch.Tensor, budget
 @kernels.fast
 def ddtree_search(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budget: int) -> tuple:
     """Ranked drafts lp / tok [b, L, K] (rank_tokens; K = min(budget, V)), roots [b] int64 -> the
-    node fields of N = budget + 1 nodes: (tokens, parents, depths [b, N] int64, scores [b, N]
-    float32, valid [b, N] bool, ancestor_mask [b, N, N] bool, mask_bits [b, N] int64 or None when
-    N > 64), build_tree_heap's tree bit for bit, in three steps:
+    fields of N = budget + 1 nodes: tokens, parents, depths [b, N] int64, scores [b, N] float32,
+    valid [b, N] bool, ancestor_mask [b, N, N] bool; build_tree_heap's tree bit for bit, in three
+    steps:
 
       1. expand (_expand): depth by depth, the children of the last depth's survivors are the
          candidates, and the best `budget` of them survive. The best `budget` prefixes overall
          form a prefix-closed set, and each of their depth-d members has fewer than `budget`
-         better prefixes at depth d, so it survives every cut.
-      2. select (_select): the root and every survivor, sorted by key; the first budget + 1 are
-         the tree's nodes, in the heap's order.
+         better prefixes at depth d, so it survives every cut. Candidates are numbered in key
+         order but for the score: the root, then each depth's survivors in rank-tuple order.
+      2. select: a stable sort by score; the first budget + 1 candidates are the tree's nodes.
       3. fields (_fields): each node's token, parent and depth; padding; the ancestor mask.
 
     A worked example: L = 3 positions, V = 4 tokens a b c d (ids 0 1 2 3), budget 4 (so K = 4).
@@ -178,9 +167,8 @@ def ddtree_search(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budg
 
     1. Depth 1 keeps all K children of the root: b .6, c .25, a .1, d .05. Depth 2 has 4 x 4
        candidates, the best 4 survive: ba .30, bc .18, ca .125, cc .075 (then bb .06). Depth 3:
-       baa .24, bca .144, caa .10, cca .06 (then bab .03). Candidates are numbered root 0, then
-       each depth's survivors in rank-tuple order: 1-4 b c a d, 5-8 ba bc ca cc, 9-12 baa bca
-       caa cca.
+       baa .24, bca .144, caa .10, cca .06 (then bab .03). Candidates: root 0, then 1-4 b c a d,
+       5-8 ba bc ca cc, 9-12 baa bca caa cca.
     2. By probability: root, b .6, ba .30, c .25, baa .24 | bc .18, bca .144, ...: the first
        five are candidates 0 1 5 2 9, nodes 0-4.
     3. Tokens [root, b, a, c, a], parents [-1, 0, 1, 0, 2], depths [0, 1, 2, 1, 3].
@@ -191,10 +179,10 @@ def ddtree_search(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budg
     >>> lp, tok = rank_tokens(q.log()[None], 4)                                # [1, L, K] each
     >>> tok[0].tolist()
     [[1, 2, 0, 3], [0, 2, 1, 3], [0, 1, 2, 3]]
-    >>> score, key, keep = _expand(lp, _plan(4, 4, 3, lp.device))                           # 1.
+    >>> score, keep = _expand(lp, _plan(4, 4, 3, lp.device))                                # 1.
     >>> [round(p, 3) for p in score[0].exp().tolist()]
     [1.0, 0.6, 0.25, 0.1, 0.05, 0.3, 0.18, 0.125, 0.075, 0.24, 0.144, 0.1, 0.06]
-    >>> _select(score, key, 5)[0].tolist()                                                  # 2.
+    >>> score.sort(descending=True, stable=True).indices[0, :5].tolist()                    # 2.
     [0, 1, 5, 2, 9]
     >>> tree = Tree(*ddtree_search(lp, tok, torch.tensor([7]), 4))         # 3. (the root: 7)
     >>> tree.tokens[0].tolist(), tree.parents[0].tolist(), tree.depths[0].tolist()
@@ -205,58 +193,34 @@ def ddtree_search(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budg
         z = torch.zeros(bsz, 1, dtype=torch.long, device=lp.device)                   # [b, 1]
         return _astuple(_tree(roots[:, None], z - 1, z, z.float(), budget, 0))
     plan = _plan(budget, K, L, lp.device)
-    score, key, keep = _expand(lp, plan)                                 # 1. every survivor
-    sel = _select(score, key, plan.node_ids.shape[0])                    # 2. the nodes among them
+    score, keep = _expand(lp, plan)                                      # 1. every survivor
+    n = plan.node_ids.shape[0]
+    sel = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :n]  # 2. the nodes
     return _astuple(_fields(sel, score, keep, tok, roots, plan, budget))  # 3. their fields
 
 
-def _expand(lp: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step 1: the root and each depth's survivors, as candidates 0..M: score [b, 1+M] float32,
-    key [b, 1+M, W] int64 (the rank tuple packed, see _Plan.digits) and keep [b, 1+M] (index among
-    its depth's candidates: its parent's index among the depth above's survivors * K + its rank).
+def _expand(lp: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1: the root and each depth's survivors, as candidates 0..M: score [b, 1+M] float32 and
+    keep [b, 1+M] (index among its depth's candidates: its parent's index among the depth above's
+    survivors * K + its rank).
 
-    Each depth's survivors are kept in rank-tuple (lexicographic) order, so their children, laid
-    out (parent, rank) row-major, are lexicographic too, and a stable sort by score puts them in
-    key order: ties fall back to the tuple order for free. (Survivors kept in score order would
-    break ties between children of parents with different scores the wrong way: see
-    test_frontier_lex_order_regression.)"""
+    Each depth's survivors are kept in rank-tuple order, so their children, laid out (parent, rank)
+    row-major, are in rank-tuple order too, and a stable sort by score puts them in key order.
+    (Survivors kept in score order would break ties between children of parents with different
+    scores the wrong way: see test_frontier_lex_order_regression.)"""
     bsz, L, K = lp.shape
-    W = plan.digits.shape[-1]
     # depth 1: all K children of the root, in key order already (0 + logp like every builder: it
     # also turns a -0.0 logp into the heap's 0.0)
-    f_score, f_key = plan.zero + lp[:, 0], plan.digits[0].expand(bsz, K, W)      # [b, K], [b, K, W]
-    scores = [plan.zero.expand(bsz, 1), f_score]
-    keys, keeps = [plan.head_key.expand(bsz, -1, W)], [plan.head_keep.expand(bsz, -1)]
+    f_score = plan.zero + lp[:, 0]                                                 # [b, K]
+    scores, keeps = [plan.zero.expand(bsz, 1), f_score], [plan.head_keep.expand(bsz, -1)]
     for d in range(1, L):
-        cand = (f_score[:, :, None] + lp[:, d, None, :]).flatten(1)   # [b, n_prev*K] lex order
+        cand = (f_score[:, :, None] + lp[:, d, None, :]).flatten(1)   # [b, n_prev*K] tuple order
         best = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :plan.sizes[d]]
-        keep = best.sort(dim=1).values                                # [b, n_keep] lex order
+        keep = best.sort(dim=1).values                                # [b, n_keep] tuple order
         f_score = cand.gather(1, keep)                                # [b, n_keep]
-        f_key = (f_key[:, :, None] + plan.digits[d]).flatten(1, 2)    # [b, n_prev*K, W]
-        f_key = f_key.gather(1, keep[:, :, None].expand(-1, -1, W))   # [b, n_keep, W]
         scores.append(f_score)
-        keys.append(f_key)
         keeps.append(keep)
-    return torch.cat(scores, 1), torch.cat(keys, 1), torch.cat(keeps, 1)
-
-
-def _select(score: torch.Tensor, key: torch.Tensor, n: int) -> torch.Tensor:
-    """Step 2: the ids of the first n candidates by key, in node order [b, n]: a stable sort by
-    score on top of the rank-tuple order (_lex_order), so that ties keep the tuple order. The root
-    (score 0, the empty tuple) comes first."""
-    lex = _lex_order(key)                                                           # [b, 1+M]
-    by_key = torch.sort(score.gather(1, lex), dim=1, descending=True, stable=True).indices
-    return lex.gather(1, by_key[:, :n])                                             # [b, n]
-
-
-def _lex_order(keys: torch.Tensor) -> torch.Tensor:
-    """Permutation that sorts packed rank tuples [b, M, W] like Python tuples (see _Plan.digits).
-
-    LSD radix sort: one stable sort per word, from the last (least significant) word to word 0."""
-    order = keys[..., -1].sort(dim=1, stable=True).indices                        # [b, M]
-    for w in range(keys.shape[-1] - 2, -1, -1):
-        order = order.gather(1, keys[..., w].gather(1, order).sort(dim=1, stable=True).indices)
-    return order
+    return torch.cat(scores, 1), torch.cat(keeps, 1)
 
 
 def _fields(sel: torch.Tensor, score: torch.Tensor, keep: torch.Tensor, tok: torch.Tensor,
@@ -278,8 +242,8 @@ def _fields(sel: torch.Tensor, score: torch.Tensor, keep: torch.Tensor, tok: tor
 def _tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
           budget: int, depth: int) -> Tree:
     """Node fields [b, n], root first, n <= budget + 1 -> the Tree of N = budget + 1 nodes: padding
-    appended (see the module doc; only when V is tiny), the ancestor mask (of a tree `depth` deep)
-    and its rows packed."""
+    appended (see the module doc; only when V is tiny) and the ancestor mask (of a tree `depth`
+    deep)."""
     b, n = tokens.shape
     N = budget + 1
     valid = torch.ones(b, n, dtype=torch.bool, device=tokens.device)                 # [b, n]
@@ -288,8 +252,7 @@ def _tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, sco
         tokens = torch.cat([tokens, tokens[:, :1].expand(b, N - n)], 1)
         parents, depths, valid = pad(parents, -1), pad(depths, 0), pad(valid, False)
         scores = pad(scores, float("-inf"))
-    mask = ancestor_mask(parents, depth)                                             # [b, N, N]
-    return Tree(tokens, parents, depths, scores, valid, mask, pack_rows(mask))
+    return Tree(tokens, parents, depths, scores, valid, ancestor_mask(parents, depth))
 
 
 def ancestor_mask(parents, depth: int | None = None) -> torch.Tensor:
@@ -315,8 +278,6 @@ class _Plan:
     (id 0), then depth 1's survivors, depth 2's, ...: the per-candidate tables below are laid out
     that way ([1+M])."""
     sizes: list[int]            # survivors per depth: K, then min(budget, previous * K)
-    digits: torch.Tensor        # [L, K, W] int64: rank r at depth d+1 as the digit r+1, in its word
-    head_key: torch.Tensor      # [1, 1+K, W] the root's key (0: empty tuple) and depth 1's
     head_keep: torch.Tensor     # [1, 1+K] the root and depth 1 as "kept" indices (0, then 0..K-1)
     zero: torch.Tensor          # [1, 1] float32: the root's score
     depth: torch.Tensor         # [1+M] int64
@@ -331,33 +292,21 @@ _PLANS: dict = {}   # (budget, K, L, device) -> _Plan; never evicted: captured g
 def _plan(budget: int, K: int, L: int, device: torch.device) -> _Plan:
     """The cached _Plan of (budget, K, L) on `device` (host work, once per shape: before any graph
     capture)."""
-    if (budget, K, L, device) in _PLANS:
-        return _PLANS[budget, K, L, device]
-    sizes = [K]
-    for _ in range(1, L):
-        sizes.append(min(budget, sizes[-1] * K))
-    M, first = sum(sizes), [1 + sum(sizes[:d]) for d in range(L)]   # first: depth d+1's first id
-    # a rank tuple (r_1..r_d) packed as digits r_i+1 (0 = absent, so a prefix sorts first), most
-    # significant first, `per` digits of `bits` bits to an int64 word (below 2^62: no sign bit)
-    bits = K.bit_length()
-    per = max(1, 62 // bits)
-    W = -(-L // per)
-    digits = torch.zeros(L, K, W, dtype=torch.long)                                 # [L, K, W]
-    for d in range(L):
-        shift = bits * (per - 1 - d % per)
-        digits[d, :, d // per] = (torch.arange(K) + 1) << shift
-    depth, parent_base, token_base = [0], [M + 1], [0]
-    for d, n_d in enumerate(sizes):
-        depth += [d + 1] * n_d
-        parent_base += [first[d - 1] if d else 0] * n_d
-        token_base += [(1 + d) * K] * n_d
-    head_key = torch.cat([torch.zeros(1, W, dtype=torch.long), digits[0]])[None]    # [1, 1+K, W]
-    head_keep = torch.tensor([0] + list(range(K)))[None]                            # [1, 1+K]
-    on = lambda t: torch.as_tensor(t).to(device)
-    _PLANS[budget, K, L, device] = p = _Plan(
-        sizes, on(digits), on(head_key), on(head_keep), on(torch.zeros(1, 1)),
-        on(depth), on(parent_base), on(token_base), on(list(range(min(budget, M) + 1))))
-    return p
+    if (budget, K, L, device) not in _PLANS:
+        sizes = [K]
+        for _ in range(1, L):
+            sizes.append(min(budget, sizes[-1] * K))
+        M, first = sum(sizes), [1 + sum(sizes[:d]) for d in range(L)]  # first: depth d+1's first id
+        depth, parent_base, token_base = [0], [M + 1], [0]
+        for d, n_d in enumerate(sizes):
+            depth += [d + 1] * n_d
+            parent_base += [first[d - 1] if d else 0] * n_d
+            token_base += [(1 + d) * K] * n_d
+        on = lambda t: torch.as_tensor(t).to(device)
+        _PLANS[budget, K, L, device] = _Plan(
+            sizes, on([[0] + list(range(K))]), on(torch.zeros(1, 1)), on(depth),
+            on(parent_base), on(token_base), on(list(range(min(budget, M) + 1))))
+    return _PLANS[budget, K, L, device]
 
 
 def _astuple(tr: Tree) -> tuple:

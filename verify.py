@@ -29,14 +29,12 @@ from tree import Tree
 
 def verify_inputs(tree: Tree, start_pos: torch.Tensor | int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Batched tree [B, N] -> (ids [B, N], positions [B, N], tree_mask) for the target forward:
-    tree_mask is the ancestor mask [B, N, N] bool, or its rows packed [B, N] int64 when the tree
-    carries them (N <= 64; the target would pack the bool mask into that form anyway). The target
-    writes node i's KV to slot start + i; the mask lets node i see only its ancestors and itself
-    (the committed prefix before `start` is always visible, see model.MLA)."""
+    """Batched tree [B, N] -> (ids [B, N], positions [B, N], tree_mask [B, N, N] bool) for the
+    target forward. The target writes node i's KV to slot start + i; the mask (the ancestor mask)
+    lets node i see only its ancestors and itself (the committed prefix before `start` is always
+    visible, see model.MLA)."""
     start = torch.as_tensor(start_pos, device=tree.tokens.device).view(-1, 1)  # [B, 1]
-    positions = start + tree.depths                                            # [B, N]
-    return tree.tokens, positions, tree.ancestor_mask if tree.mask_bits is None else tree.mask_bits
+    return tree.tokens, start + tree.depths, tree.ancestor_mask
 
 
 NO_TOKEN = -1           # sample() where a row has no token: no tree node has it, so none matches it

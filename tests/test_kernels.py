@@ -166,7 +166,9 @@ def fits_cases():
     f32, f16, i64 = torch.float32, torch.float16, torch.int64
     r = lambda *s, dtype=f32: torch.zeros(*s, dtype=dtype)
     tree = T.Tree(*T.ddtree_search.ref(r(1, 3, 4), r(1, 3, 4, dtype=i64), r(1, dtype=i64), 4))
-    attn = lambda T_, R: (r(1, T_, 2, R), r(1, T_, 2, 16), r(1, 80, R + 16), r(1, dtype=i64), r(1, T_, dtype=i64), 0.1)
+    big_tree = T.Tree(*T.ddtree_search.ref(r(1, 3, 4), r(1, 3, 4, dtype=i64), r(1, dtype=i64), 64))   # 65 nodes
+    b = torch.bool
+    attn = lambda T_, R: (r(1, T_, 2, R), r(1, T_, 2, 16), r(1, 80, R + 16), r(1, dtype=i64), r(1, T_, T_, dtype=b), 0.1)
     moe = lambda gs: (r(2, 64), r(2, 2, dtype=i64), r(2, 2), r(4, 64, 8, dtype=torch.int32), r(4, 64, 64 // gs),
                       r(4, 64, 4, dtype=torch.int32), r(4, 64, 32 // gs), gs)
     qkv = lambda hd: (r(1, 3, 4 * hd), 2, 1, r(hd), r(hd), 1e-6, r(1, 3, hd), r(1, 3, hd), r(1, 8, 1, hd),
@@ -179,9 +181,9 @@ def fits_cases():
         ("silu_mul", (r(2, 8), r(2, 8)), (r(2, 8), r(2, 4))),
         ("mla_latent_to_cache", (r(1, 2, 48), r(32), 1e-6, r(1, 2, 16), r(1, 2, 16), r(2, 9, 48), r(1, 2, dtype=i64)),
          (r(1, 2, 40), r(24), 1e-6, r(1, 2, 16), r(1, 2, 16), r(2, 9, 40), r(1, 2, dtype=i64))),
-        ("mla_tree_attention", attn(64, 32), attn(65, 32)),                                # 65 > one mask word
+        ("mla_tree_attention", attn(64, 32), attn(65, 32)),                     # 65 > one mask word in the kernel
         ("mla_tree_attention", attn(9, 32), attn(9, 24)),                                  # R not a power of two
-        ("mla_tree_attention", attn(9, 32), attn(9, 32)[:4] + (r(1, 9, 9, dtype=torch.bool), 0.1)),   # unpacked mask
+        ("mla_tree_attention", attn(9, 32), attn(9, 32)[:4] + (r(1, 9, 9, dtype=b).transpose(1, 2), 0.1)),  # strided
         ("router_topk", (r(2, 16), r(8, 16), r(8), 2, True, 1.0), (r(2, 16), r(8, 16), r(8), 2, True, 1.0, 2, 1)),
         ("int4_experts", moe(32), moe(16)[:-1] + (64,)),                                   # group 64 > I = 32
         ("qkv_norm_rope", qkv(16), qkv(24)),
@@ -190,7 +192,7 @@ def fits_cases():
         ("rank_topk", (r(3, 100), 64), (r(3, 100), 65)),
         ("ddtree_search", (r(1, 3, 4), r(1, 3, 4, dtype=i64), r(1, dtype=i64), 64),
          (r(1, 3, 4), r(1, 3, 4, dtype=i64), r(1, dtype=i64), 65)),
-        ("accept", (tree, r(1, 5, dtype=i64)), (dataclasses.replace(tree, mask_bits=None), r(1, 5, dtype=i64))),
+        ("accept", (tree, r(1, 5, dtype=i64)), (big_tree, r(1, 65, dtype=i64))),
         ("commit_kv", (r(2, 1, 9, 4), r(1, dtype=i64), r(1, 5, dtype=i64), r(1, dtype=i64)),
          (r(2, 1, 9, 4), 3, r(1, 5, dtype=i64), r(1, dtype=i64))),
     ]
@@ -596,15 +598,17 @@ def test_mla_tree_attention_kernel(T_, H, prefixes, kind, tiles, dtype, monkeypa
         monkeypatch.setattr(kernels, "ATTN_WIDE", dict(kernels.ATTN_WIDE, min_rows=0, BLOCK_S=16, waves=0.5))
         monkeypatch.setattr(kernels, "ATTN_SPLITS", dict(kernels.ATTN_SPLITS, max_splits=8, min_split_len=32))
     args = make_attn(len(prefixes), T_, H, 32, 16, prefixes, kind, dtype, KERNEL_DEVICE, seed=T_ + H)
-    packed = (*args[:4], M.tree_mask_bits(args[4]), args[5])                  # the kernel takes packed rows
     out = torch.full_like(args[0], float("nan"))
-    assert launch("mla_tree_attention", *packed, out=out) is out
+    assert launch("mla_tree_attention", *args, out=out) is out
     ref = M.mla_tree_attention.ref(*args)
     assert_close(out, ref, TOL[dtype], f"attn T={T_} H={H} {prefixes} {kind} {dtype}")
-    assert torch.equal(M.mla_tree_attention.ref(*packed), ref)
     strided = args[0].permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)                  # [B, T, H, R] view
     assert (H == 1 or not strided.is_contiguous()) and torch.equal(strided, args[0])
-    assert torch.equal(launch("mla_tree_attention", strided, *packed[1:]), out)
+    assert torch.equal(launch("mla_tree_attention", strided, *args[1:]), out)
+    # a mask shared by the batch (stride 0, as Transformer.forward's causal default) reads like its copy
+    shared = args[4][:1].expand_as(args[4])
+    assert torch.equal(launch("mla_tree_attention", *args[:4], shared, args[5]),
+                       launch("mla_tree_attention", *args[:4], shared.contiguous(), args[5]))
 
 
 @needs_kernels
@@ -810,7 +814,7 @@ def test_ddtree_search_vs_heap():
         return T.Tree(*launch("ddtree_search", lp.to(KERNEL_DEVICE), tok.to(KERNEL_DEVICE),
                               torch.tensor([root], device=KERNEL_DEVICE), B))[0]
     got = kernel_tree(torch.tensor([[0.0, 0.0], [0.0, float("-inf")]]), 5, 4)
-    assert got.tokens.tolist() == [5, 0, 0, 1, 0] and got.parents.tolist() == [-1, 0, 1, 0, 3]
+    assert got.tokens.tolist() == [5, 0, 1, 0, 0] and got.parents.tolist() == [-1, 0, 0, 1, 2]   # shallower first
     g = torch.Generator().manual_seed(3)
     for L, V_, B in [(4, 6, 20), (16, 3, 64), (1, 1, 5), (7, 40, 1)]:
         x = torch.randn(L, V_, generator=g).mul(1.5).round()

@@ -19,15 +19,12 @@ import tree as T  # noqa: E402
 from tree import (Tree, build_tree, build_tree_batched, build_tree_heap, chain_tree,  # noqa: E402
                   chain_tree_batched, format_tree)
 
-FIELDS = ["tokens", "parents", "depths", "scores", "valid", "ancestor_mask", "mask_bits"]
+FIELDS = ["tokens", "parents", "depths", "scores", "valid", "ancestor_mask"]
 
 
 def assert_same_tree(a: Tree, b: Tree, msg: str = "") -> None:
     for f in FIELDS:
         x, y = getattr(a, f), getattr(b, f)
-        if f == "mask_bits" and (x is None or y is None):   # only trees of more than 64 nodes go without
-            assert x is None and y is None and a.tokens.shape[-1] > 64, f"mask_bits {x} vs {y} {msg}"
-            continue
         x, y = x.cpu(), y.cpu()
         assert x.dtype == y.dtype and x.shape == y.shape, f"{f}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)} {msg}"
         if f == "scores":  # bit-identical, -inf padding included
@@ -65,15 +62,13 @@ def check_invariants(t: Tree, L: int, B: int) -> None:
         else:  # padding conventions
             assert p == -1 and t.depths[i] == 0 and t.tokens[i] == t.tokens[0]
             assert t.scores[i] == float("-inf")
-    # ancestor mask == walk up the parent chain; mask_bits == its rows packed
+    # ancestor mask == walk up the parent chain
     for i in range(N):
         row, j = torch.zeros(N, dtype=torch.bool), i
         while j >= 0:
             row[j] = True
             j = int(t.parents[j])
         assert torch.equal(t.ancestor_mask[i], row), i
-        if N <= 64:
-            assert int(t.mask_bits[i]) == sum(1 << k for k in range(N) if row[k]) - (2**64 if row[63:].any() else 0)
 
 
 # -----------------------------------------------------------------------------
@@ -91,7 +86,7 @@ def test_rank_tokens_tie_order():
 
 
 def test_ref_matches_bruteforce():
-    # the heap's pop order == sort of all prefixes by (-score, rank tuple): checks the reference itself
+    # the heap's pop order == sort of all prefixes by (-score, depth, rank tuple): checks the reference itself
     g = torch.Generator().manual_seed(2)
     for trial in range(60):
         L, V = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
@@ -106,12 +101,12 @@ def test_ref_matches_bruteforce():
                 s = np.float32(0)
                 for i, r in enumerate(ranks):
                     s = s + lp[i, r]
-                prefixes.append((-s, ranks))
+                prefixes.append((-s, d, ranks))
         prefixes.sort()
         ref = build_tree_heap(x, 7, B)
         n = min(B, len(prefixes))
         assert int(ref.valid.sum()) == n + 1
-        for node, (neg, ranks) in enumerate(prefixes[:n], start=1):
+        for node, (neg, _, ranks) in enumerate(prefixes[:n], start=1):
             assert ref.tokens[node] == tok[len(ranks) - 1, ranks[-1]]
             assert ref.depths[node] == len(ranks) and ref.scores[node] == -neg
 
@@ -162,12 +157,12 @@ def test_ancestor_mask_is_the_walk_up():
 
 def test_hand_built_cross_depth_tie():
     # depth 1 uniform over 2 tokens, depth 2 certain (logp 0 for token 0, -inf for token 1):
-    # (0), (1), (0,0), (1,0) all score log .5 exactly; the tuple order puts (0,0) before (1)
+    # (0), (1), (0,0), (1,0) all score log .5 exactly; the shallower first, then the tuple order
     x = torch.tensor([[0.0, 0.0], [0.0, float("-inf")]])
     for t in (build_tree(x, 5, 4), build_tree_heap(x, 5, 4)):
-        assert t.tokens.tolist() == [5, 0, 0, 1, 0]
-        assert t.parents.tolist() == [-1, 0, 1, 0, 3]
-        assert t.depths.tolist() == [0, 1, 2, 1, 2]
+        assert t.tokens.tolist() == [5, 0, 1, 0, 0]
+        assert t.parents.tolist() == [-1, 0, 0, 1, 2]
+        assert t.depths.tolist() == [0, 1, 1, 2, 2]
     # uniform everywhere: depth-1 nodes first, then depth 2 in tuple order
     t = build_tree(torch.zeros(2, 2), 5, 4)
     assert t.tokens.tolist() == [5, 0, 1, 0, 1] and t.parents.tolist() == [-1, 0, 0, 1, 1]
@@ -303,20 +298,10 @@ def test_format_tree():
         assert term in T.LEGEND
 
 
-def test_mask_bits_width():
-    """Trees of up to 64 nodes carry their mask rows packed (node 63's bit is the sign bit); wider ones do not."""
-    x = torch.randn(7, 50, generator=torch.Generator().manual_seed(8))
-    t = build_tree(x, 1, 63)
-    check_invariants(t, 7, 63)
-    assert (t.mask_bits < 0).sum() == t.ancestor_mask[:, 63].sum() >= 1
-    assert build_tree(x, 1, 64).mask_bits is None and build_tree_heap(x, 1, 64).mask_bits is None
-    assert chain_tree(x, 1, 7).mask_bits.tolist() == [2 ** (i + 1) - 1 for i in range(8)]
-
-
 def test_builder_op_count():
     """Where the search kernel does not fit, the tensor-op builder is launch-bound (tiny tensors, about one kernel
     per aten op): it stays at seven ops per depth plus a constant. Counts the non-view aten ops of one budget-8,
-    L=7 search from ranked drafts (its plan already made), the ancestor mask and its packing included."""
+    L=7 search from ranked drafts (its plan already made), the ancestor mask included."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -428,8 +413,8 @@ def test_any_drafter_output_keeps_the_root(kind):
 
 
 def test_no_host_sync_in_builder():
-    for fn in (T.build_tree, T.build_tree_batched, T.ddtree_search, T.rank_tokens, T.rank_topk, T.pack_rows,
-               T._expand, T._select, T._lex_order, T._fields, T._tree, T.ancestor_mask, T._plan, T.chain_tree,
+    for fn in (T.build_tree, T.build_tree_batched, T.ddtree_search, T.rank_tokens, T.rank_topk,
+               T._expand, T._fields, T._tree, T.ancestor_mask, T._plan, T.chain_tree,
                T.chain_tree_batched):
         src = code_of(fn)
         for bad in (".item(", ".tolist(", ".cpu(", ".numpy(", "nonzero("):

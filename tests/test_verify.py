@@ -29,14 +29,6 @@ def test_inputs():
     assert ids.tolist() == [[10, 11, 12, 13, 14]]
     assert pos.tolist() == [[7, 8, 8, 9, 10]]                  # start + depth: siblings share a position
     assert torch.equal(mask, tr.ancestor_mask)
-    # a tree that carries its mask packed (the GPU search's hand-over) passes the packed rows on, and indexing
-    # the batch keeps them: bit j of row i = ancestor_mask[i, j]
-    import dataclasses
-    from tree import pack_rows
-    packed = dataclasses.replace(tr, mask_bits=pack_rows(tr.ancestor_mask))
-    assert packed.mask_bits.tolist() == [[0b1, 0b11, 0b101, 0b1011, 0b11011]]
-    assert torch.equal(V.verify_inputs(packed, 7)[2], packed.mask_bits)
-    assert torch.equal(packed[0].mask_bits, packed.mask_bits[0]) and tr[0].mask_bits is None
 
 
 def test_walks():
