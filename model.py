@@ -379,37 +379,24 @@ class MLA(nn.Module):
             self.softmax_scale *= yarn_mscale(args.rope_factor, args.mscale_all_dim) ** 2
 
     def forward(self, x, cos, sin, cache, start_pos, tree_mask, absorb=False, slots=None):
-        """x [B, T, D]. cache: this layer's [Bmax, S, R+P] slice or None (no cache: attention over
-        x alone). start_pos: int or LongTensor [B] = slot of the first new token. tree_mask
-        [B, T, T] bool: what the new tokens see among themselves (Transformer.forward makes the
-        causal default). slots [B, T]: the new tokens' cache slots, start_pos + [0, T) (Transformer computes them
-        once)."""
+        """x [B, T, D] -> [B, T, D]. cache: this layer's [Bmax, S, R+P] slice, the new tokens'
+        latents written at slots [B, T] (start_pos + [0, T)), or None: attention over x alone.
+        tree_mask [B, T, T] bool: what the new tokens see among themselves (the prefix before
+        start_pos is always visible). absorb: attend over the compressed cache (decode, verify)."""
         B, T, _ = x.shape
-        qkv_a = self.qkv_a_proj(x)                                   # [B, T, q_lora + R + P]
-        q_a, kv = qkv_a.split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], dim=-1)
-        q = self.q_b_proj(self.q_a_layernorm(q_a))
-        q = q.view(B, T, self.n_heads, -1)                           # [B, T, H, nope+rope]
+        # [B, T, q_lora_rank], [B, T, R+P]
+        q_a, kv = self.qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], -1)
+        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, T, self.n_heads, -1)  # [B, T, H, qk]
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         q_pe = rope(q_pe, cos, sin)
-
-        kv_norm = self.kv_a_layernorm
+        norm = self.kv_a_layernorm
         if cache is None:
-            latent = mla_latent(kv, kv_norm.weight, kv_norm.eps, cos, sin)        # [B, T, R+P]
+            latent = mla_latent(kv, norm.weight, norm.eps, cos, sin)                 # [B, T, R+P]
             o = self._naive(q_nope, q_pe, latent, tree_mask)
         else:
-            if slots is None:
-                slots = _slots(start_pos, B, T, x.device)                         # [B, T]
-            mla_latent_to_cache(kv, kv_norm.weight, kv_norm.eps, cos, sin, cache, slots)
-            if absorb:
-                o = self._absorbed(q_nope, q_pe, cache[:B], start_pos, tree_mask)
-            else:
-                if not isinstance(start_pos, int):
-                    raise ValueError("the naive MLA path needs an int start_pos (prefill); "
-                                     "use absorb=True")
-                keys = cache[:B, :start_pos + T]                                  # [B, S, R+P]
-                prefix = torch.ones(B, T, start_pos, dtype=torch.bool, device=x.device)
-                mask = torch.cat([prefix, tree_mask], -1)
-                o = self._naive(q_nope, q_pe, keys, mask)
+            mla_latent_to_cache(kv, norm.weight, norm.eps, cos, sin, cache, slots)
+            attend = self._absorbed if absorb else self._naive_cached
+            o = attend(q_nope, q_pe, cache[:B], start_pos, tree_mask)                # [B, T, H, v]
         y = self.o_proj(o.flatten(2))
         if world_size > 1:
             dist.all_reduce(y)      # o_proj is row-parallel: sum the heads' partial outputs
@@ -434,23 +421,26 @@ class MLA(nn.Module):
                                            attn_mask=mask.unsqueeze(1), scale=self.softmax_scale)
         return o.transpose(1, 2)                                           # [B, T, H, v]
 
+    def _naive_cached(self, q_nope, q_pe, cache, start_pos, tree_mask):
+        """Prefill: the naive path over the cache's first start_pos + T slots (an int start_pos)."""
+        if not isinstance(start_pos, int):
+            raise ValueError("the naive MLA path needs an int start_pos (prefill); use absorb=True")
+        B, T = q_nope.shape[:2]
+        prefix = torch.ones(B, T, start_pos, dtype=torch.bool, device=q_nope.device)
+        mask = torch.cat([prefix, tree_mask], -1)                                 # [B, T, S]
+        return self._naive(q_nope, q_pe, cache[:, :start_pos + T], mask)
+
     def _absorbed(self, q_nope, q_pe, cache, start_pos, tree_mask):
         """W_UK absorbed into the query, W_UV into the output: attention over the R+P cached values
         per token (decode / verify: memory-bound, reads only the compressed cache)."""
         B, T = q_nope.shape[:2]
         wkv_b = self._wkv_b()
-        # [B, T, H, R] (a permuted view)
-        q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :self.nope])
-        prefix = start_pos
-        if isinstance(start_pos, int):
-            prefix = torch.full((B,), start_pos, dtype=torch.long, device=q_nope.device)  # [B]
-        o_lat = mla_tree_attention(q_lat, q_pe, cache, prefix, tree_mask,
-                                   self.softmax_scale)                             # [B, T, H, R]
-        # o = einsum("bthr,hdr->bthd", o_lat, W_UV) as one batched GEMM per head written straight
-        # into [B, T, H, v] rows, so o_proj reads it without the copy that flattening the einsum's
-        # [H, B*T, v] result costs
-        o = torch.empty(B, T, self.n_heads, self.v_dim, dtype=o_lat.dtype,
-                        device=o_lat.device)                                       # [B, T, H, v]
+        q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :self.nope])          # [B, T, H, R]
+        prefix = torch.as_tensor(start_pos, device=q_nope.device).expand(B)            # [B]
+        o_lat = mla_tree_attention(q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)
+        # o = einsum("bthr,hdr->bthd", o_lat, W_UV), one GEMM per head written straight into the
+        # [B, T, H, v] rows o_proj reads (the einsum would leave [H, B*T, v] to copy)
+        o = torch.empty(B, T, self.n_heads, self.v_dim, dtype=o_lat.dtype, device=o_lat.device)
         torch.bmm(o_lat.reshape(B * T, self.n_heads, -1).transpose(0, 1),
                   wkv_b[:, self.nope:].transpose(1, 2),
                   out=o.view(B * T, self.n_heads, self.v_dim).transpose(0, 1))
@@ -504,21 +494,26 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k
                 topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """noaux_tc routing: x [N, D], weight [E, D] fp32, bias [E] fp32 -> (weights [N, k] fp32, expert
     ids [N, k] int64, in descending order of score + bias). Sigmoid scores in fp32; the bias steers
-    the choice only; with n_group > 1 (DeepSeek-V3; K2.6 has one group) only the topk_group best
-    groups may be chosen from."""
+    the choice only."""
     scores = F.linear(x.float(), weight.float()).sigmoid()                             # [N, E]
     choice = scores + bias
     if n_group > 1:
-        grouped = choice.view(x.shape[0], n_group, -1)                                 # [N, G, E/G]
-        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)                              # [N, G]
-        keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(topk_group, dim=-1)[1], True)
-        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+        choice = limit_groups(choice, n_group, topk_group)
     ids = choice.topk(top_k, dim=-1)[1]                                                # [N, k]
     w = scores.gather(1, ids)
     if norm:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
     return w * scale, ids
+
+
+def limit_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing (K2.6 has one group): only the experts of the topk_group
+    groups with the best two-expert sums stay choosable; the others' choice [N, E] becomes -inf."""
+    grouped = choice.view(choice.shape[0], n_group, -1)                                # [N, G, E/G]
+    group_scores = grouped.topk(2, dim=-1)[0].sum(-1)                                  # [N, G]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(topk_group, dim=-1)[1], True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
 
 
 class Gate(nn.Module):
@@ -710,8 +705,9 @@ def residual(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return x + r.to(x.dtype)
 
 
-# Below this many new tokens the cache path uses absorbed MLA (decode, verify: memory-bound); above
-# it, naive MLA (prefill: decompressing K/V once beats absorbing every head's query).
+# The cache path attends over the compressed cache (absorbed MLA) for decode and tree verify (any
+# width: every budget rounds like decoding) and for a tensor start_pos (a captured step); naive MLA
+# only for prefills of more than this many tokens, where decompressing K/V once is cheaper.
 ABSORB_MAX_T = 64
 
 
@@ -755,35 +751,23 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, start_pos=None, positions=None, tree_mask=None,
                 hidden_layers=(), absorb=None, last_only: bool = False, debug: bool = False,
                 cache_row: int = 0) -> Output:
-        """tokens [B, T] -> Output: logits [B, T, vocab] fp32 (or [B, 1, vocab] with last_only), and
-        the tapped hidden states.
-
-        start_pos None: no cache; causal attention over `tokens` (or `tree_mask`).
-        start_pos int / LongTensor [B]: the new tokens go to cache slots start_pos + [0, T); they
-          see every slot before start_pos and, among themselves, what tree_mask [B, T, T] bool
-          allows (default causal).
-        positions [B, T]: rope positions (default start_pos + arange(T); tree verify passes
-          start + depth).
-        hidden_layers: Output.hidden holds the outputs of these layers, concatenated:
-          [B, T, len * hidden_size] (None when empty).
-        cache_row: the batch uses cache rows cache_row .. cache_row+B-1 (prefilling one sequence of
-          a batch).
-        """
+        """tokens [B, T] -> Output(logits [B, T, vocab] fp32, [B, 1, vocab] with last_only; hidden:
+        the outputs of hidden_layers, concatenated [B, T, len * D], or None).
+        start_pos None: no cache. int or LongTensor [B]: the tokens go to cache rows cache_row.. at
+          slots start_pos + [0, T), and see every slot before start_pos.
+        tree_mask [B, T, T] bool: what the tokens see among themselves (default causal).
+        positions [B, T]: rope positions (default: the slots; tree verify passes start + depth)."""
         B, T = tokens.shape
         slots = None if start_pos is None else _slots(start_pos, B, T, tokens.device)    # [B, T]
         if positions is None:
             positions = _slots(0, B, T, tokens.device) if slots is None else slots
         if start_pos is not None:
             if self.kv_cache is None:
-                raise RuntimeError("call setup_cache(max_batch_size, max_seq_len) "
-                                   "before a cached forward")
+                raise RuntimeError("call setup_cache(max_batch_size, max_seq_len) first")
             if isinstance(start_pos, int) and start_pos + T > self.max_seq_len:
                 raise ValueError(f"cache overflow: start_pos {start_pos} + {T} tokens "
                                  f"> max_seq_len {self.max_seq_len}")
-        if absorb is None:
-            # decode and tree verify (any width) take the absorbed path, so every budget rounds like
-            # decoding does; so does a tensor start_pos (graph-captured steps: fixed shapes). Long
-            # prefills go naive.
+        if absorb is None:       # see ABSORB_MAX_T
             absorb = start_pos is not None and (T <= ABSORB_MAX_T or tree_mask is not None
                                                 or not isinstance(start_pos, int))
         if tree_mask is None:      # causal: built once per forward, for every layer

@@ -78,10 +78,8 @@ class Tree:
 @kernels.fast
 def rank_topk(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logp [..., V] float32 -> (lp, tok) [..., k]: the k best tokens of each row by (logp desc,
-    token id asc), and their logp. Each token gets one int64 key that orders like that pair (the
-    float's bits made order-preserving in the high word, V-1-token in the low one): the keys are
-    unique, so topk has no tie to break its own way, and no sort of the whole vocabulary is needed.
-    A non-finite logp counts as -inf, in the order and in lp (module doc: any drafter output)."""
+    token id asc), and their logp; a non-finite logp counts as -inf. One unique int64 key per token
+    orders like that pair, so topk has no tie to break its own way (and nothing sorts all of V)."""
     V = logp.shape[-1]
     logp = torch.where(logp.isfinite(), logp, float("-inf"))  # NaN's bits would rank it first
     # + 0.0 turns -0.0 into 0.0, which must tie with it
@@ -144,99 +142,73 @@ def build_tree_heap(draft_logits: torch.Tensor, root: int | torch.Tensor, budget
 
 @kernels.fast
 def ddtree_search(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budget: int) -> tuple:
-    """Ranked drafts lp / tok [b, L, K] (rank_tokens; K = min(budget, V)), roots [b] int64 -> the
-    fields of N = budget + 1 nodes: tokens, parents, depths [b, N] int64, scores [b, N] float32,
-    valid [b, N] bool, ancestor_mask [b, N, N] bool; build_tree_heap's tree bit for bit, in three
-    steps:
+    """Ranked drafts lp / tok [b, L, K] (rank_tokens; K = min(budget, V)), roots [b] -> the Tree
+    fields of N = budget + 1 nodes, build_tree_heap's tree bit for bit, in three steps:
 
       1. expand (_expand): depth by depth, the children of the last depth's survivors are the
-         candidates, and the best `budget` of them survive. The best `budget` prefixes overall
-         form a prefix-closed set, and each of their depth-d members has fewer than `budget`
-         better prefixes at depth d, so it survives every cut. Candidates are numbered in key
-         order but for the score: the root, then each depth's survivors in rank-tuple order.
-      2. select: a stable sort by score; the first budget + 1 candidates are the tree's nodes.
+         candidates and the best `budget` survive (a node of the tree has fewer than `budget`
+         better prefixes at its depth, so it survives every cut). Candidates are numbered: the
+         root, then each depth's survivors in rank-tuple order.
+      2. select: a stable sort by score (ties keep the numbering: key order); the first N win.
       3. fields (_fields): each node's token, parent and depth; padding; the ancestor mask.
 
-    A worked example: L = 3 positions, V = 4 tokens a b c d (ids 0 1 2 3), budget 4 (so K = 4).
-    The drafter's probabilities, and each depth's tokens by rank:
+    A worked example: L = 3, tokens a b c d (ids 0-3), budget 4 (so K = 4). The drafter's
+    probabilities, and each depth's tokens by rank:
 
                    a     b     c     d      by rank
       depth 1    0.10  0.60  0.25  0.05     b c a d
       depth 2    0.50  0.10  0.30  0.10     a c b d   (b and d tie: the lower id first)
       depth 3    0.80  0.10  0.05  0.05     a b c d
 
-    1. Depth 1 keeps all K children of the root: b .6, c .25, a .1, d .05. Depth 2 has 4 x 4
-       candidates, the best 4 survive: ba .30, bc .18, ca .125, cc .075 (then bb .06). Depth 3:
-       baa .24, bca .144, caa .10, cca .06 (then bab .03). Candidates: root 0, then 1-4 b c a d,
-       5-8 ba bc ca cc, 9-12 baa bca caa cca.
-    2. By probability: root, b .6, ba .30, c .25, baa .24 | bc .18, bca .144, ...: the first
-       five are candidates 0 1 5 2 9, nodes 0-4.
-    3. Tokens [root, b, a, c, a], parents [-1, 0, 1, 0, 2], depths [0, 1, 2, 1, 3].
-
-    The same, run (tests/test_tree.py runs this docstring):
-
     >>> q = torch.tensor([[.10, .60, .25, .05], [.50, .10, .30, .10], [.80, .10, .05, .05]])
     >>> lp, tok = rank_tokens(q.log()[None], 4)                                # [1, L, K] each
-    >>> tok[0].tolist()
-    [[1, 2, 0, 3], [0, 2, 1, 3], [0, 1, 2, 3]]
-    >>> score, keep = _expand(lp, _plan(4, 4, 3, lp.device))                                # 1.
-    >>> [round(p, 3) for p in score[0].exp().tolist()]
+    >>> score, parent, token, depth = _expand(lp, tok, torch.tensor([7]), 4)           # 1.
+    >>> [round(p, 3) for p in score[0].exp().tolist()]  # root; b c a d; ba bc ca cc; baa bca ..
     [1.0, 0.6, 0.25, 0.1, 0.05, 0.3, 0.18, 0.125, 0.075, 0.24, 0.144, 0.1, 0.06]
-    >>> score.sort(descending=True, stable=True).indices[0, :5].tolist()                    # 2.
+    >>> score.sort(descending=True, stable=True).indices[0, :5].tolist()  # 2. root b ba c baa
     [0, 1, 5, 2, 9]
-    >>> tree = Tree(*ddtree_search(lp, tok, torch.tensor([7]), 4))         # 3. (the root: 7)
+    >>> tree = Tree(*ddtree_search(lp, tok, torch.tensor([7]), 4))      # 3. (the root token: 7)
     >>> tree.tokens[0].tolist(), tree.parents[0].tolist(), tree.depths[0].tolist()
     ([7, 1, 0, 2, 0], [-1, 0, 1, 0, 2], [0, 1, 2, 1, 3])
     """
+    score, parent, token, depth = _expand(lp, tok, roots, budget)   # 1. every candidate [b, 1+M]
+    sel = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :budget + 1]  # 2.
+    return _astuple(_fields(sel, score, parent, token, depth, budget, lp.shape[1]))     # 3.
+
+
+def _expand(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budget: int) -> list:
+    """Step 1: the candidates, numbered: the root, then each depth's survivors in rank-tuple order
+    -> score [b, 1+M] float32, parent (a candidate number; the root's -1), token, depth [b, 1+M].
+    Survivors stay in rank-tuple order, so their children, laid out (parent, rank), are too, and
+    a stable sort by score puts them in key order (test_frontier_lex_order_regression)."""
     bsz, L, K = lp.shape
-    if budget == 0 or L == 0 or K == 0:             # the root alone (then padding)
-        z = torch.zeros(bsz, 1, dtype=torch.long, device=lp.device)                   # [b, 1]
-        return _astuple(_tree(roots[:, None], z - 1, z, z.float(), budget, 0))
-    plan = _plan(budget, K, L, lp.device)
-    score, keep = _expand(lp, plan)                                      # 1. every survivor
-    n = plan.node_ids.shape[0]
-    sel = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :n]  # 2. the nodes
-    return _astuple(_fields(sel, score, keep, tok, roots, plan, budget))  # 3. their fields
+    r = roots[:, None]                                                               # [b, 1]
+    f_score, first = lp.new_zeros(bsz, 1), 0     # a depth's survivors, the first one's number
+    score, parent, token, depth = [f_score], [r * 0 - 1], [r], [r * 0]
+    for d in range(L if K else 0):
+        # (0 + logp at depth 1, like every builder: it turns a -0.0 logp into the heap's 0.0)
+        cand = (f_score[:, :, None] + lp[:, d, None, :]).flatten(1)     # [b, n*K] tuple order
+        best = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :budget]
+        keep = best.sort(dim=1).values                                  # [b, n_keep] tuple order
+        f_score = cand.gather(1, keep)
+        score.append(f_score)
+        parent.append(first + keep // K)
+        token.append(tok[:, d].gather(1, keep % K))
+        depth.append(torch.full_like(keep, d + 1))
+        first += cand.shape[1] // K
+    return [torch.cat(t, 1) for t in (score, parent, token, depth)]
 
 
-def _expand(lp: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 1: the root and each depth's survivors, as candidates 0..M: score [b, 1+M] float32 and
-    keep [b, 1+M] (index among its depth's candidates: its parent's index among the depth above's
-    survivors * K + its rank).
-
-    Each depth's survivors are kept in rank-tuple order, so their children, laid out (parent, rank)
-    row-major, are in rank-tuple order too, and a stable sort by score puts them in key order.
-    (Survivors kept in score order would break ties between children of parents with different
-    scores the wrong way: see test_frontier_lex_order_regression.)"""
-    bsz, L, K = lp.shape
-    # depth 1: all K children of the root, in key order already (0 + logp like every builder: it
-    # also turns a -0.0 logp into the heap's 0.0)
-    f_score = plan.zero + lp[:, 0]                                                 # [b, K]
-    scores, keeps = [plan.zero.expand(bsz, 1), f_score], [plan.head_keep.expand(bsz, -1)]
-    for d in range(1, L):
-        cand = (f_score[:, :, None] + lp[:, d, None, :]).flatten(1)   # [b, n_prev*K] tuple order
-        best = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :plan.sizes[d]]
-        keep = best.sort(dim=1).values                                # [b, n_keep] tuple order
-        f_score = cand.gather(1, keep)                                # [b, n_keep]
-        scores.append(f_score)
-        keeps.append(keep)
-    return torch.cat(scores, 1), torch.cat(keeps, 1)
-
-
-def _fields(sel: torch.Tensor, score: torch.Tensor, keep: torch.Tensor, tok: torch.Tensor,
-            roots: torch.Tensor, plan: _Plan, budget: int) -> Tree:
-    """Step 3: the tree of the selected candidates sel [b, n] (in node order, root first)."""
-    bsz, L, K = tok.shape
-    # a candidate's parent is a candidate one depth up (keep // K counts from that depth's first
-    # id); node_of maps candidate ids to node indices (every selected node's parent is selected;
-    # the extra last slot is the root's parent, -1)
-    node_of = torch.full((bsz, score.shape[1] + 1), -1, device=sel.device).scatter_(
-        1, sel, plan.node_ids.expand(bsz, -1))                                     # [b, 2+M]
-    parents = node_of.gather(1, (keep // K + plan.parent_base).gather(1, sel))       # [b, n]
-    # its token: rank keep % K of its depth, in [root x K, tok[:, 0], tok[:, 1], ...]
-    tok_all = torch.cat([roots[:, None, None].expand(bsz, 1, K), tok], 1).flatten(1)  # [b, (1+L)*K]
-    tokens = tok_all.gather(1, (keep % K + plan.token_base).gather(1, sel))          # [b, n]
-    return _tree(tokens, parents, plan.depth[sel], score.gather(1, sel), budget, L)
+def _fields(sel: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, token: torch.Tensor,
+            depth: torch.Tensor, budget: int, L: int) -> Tree:
+    """Step 3: the Tree of the selected candidates sel [b, n] (node order, root first); each
+    parent, a candidate, becomes its node's index (a selected node's parent is selected)."""
+    node = torch.arange(sel.shape[1], device=sel.device).expand_as(sel)               # [b, n]
+    node_of = torch.zeros_like(parent).scatter_(1, sel, node)        # [b, 1+M] candidate -> node
+    p = parent.gather(1, sel)                                                         # [b, n]
+    parents = torch.where(p >= 0, node_of.gather(1, p.clamp(min=0)), -1)
+    return _tree(token.gather(1, sel), parents, depth.gather(1, sel), score.gather(1, sel),
+                 budget, L)
 
 
 def _tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
@@ -256,10 +228,9 @@ def _tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, sco
 
 
 def ancestor_mask(parents, depth: int | None = None) -> torch.Tensor:
-    """parents [..., N] (a list or int64; -1: none) -> the verify mask [..., N, N] bool: row i marks
-    i and its ancestors, the nodes on the walk up from i. `depth` steps up (the tree's depth;
-    default N - 1) reach the root from every node; a node without a parent (the root, padding) is
-    its own parent here, so a walk that reaches it stays there."""
+    """parents [..., N] (-1: none) -> the verify mask [..., N, N] bool: row i marks the nodes on the
+    walk up from i, i included. `depth` steps (the tree's depth; default N - 1) reach the root; a
+    node without a parent is its own here, so a walk stays there."""
     parents = torch.as_tensor(parents, dtype=torch.long)
     N, dev = parents.shape[-1], parents.device
     node = torch.arange(N, device=dev).expand_as(parents)                           # [..., N]
@@ -271,44 +242,6 @@ def ancestor_mask(parents, depth: int | None = None) -> torch.Tensor:
     return mask.scatter_(-1, torch.stack(walk, -1), True)
 
 
-@dataclass
-class _Plan:
-    """What the expansion looks like for one (budget, K, L): survivor counts and constant tensors,
-    built once per shape on the device instead of on every step. Candidates are numbered root first
-    (id 0), then depth 1's survivors, depth 2's, ...: the per-candidate tables below are laid out
-    that way ([1+M])."""
-    sizes: list[int]            # survivors per depth: K, then min(budget, previous * K)
-    head_keep: torch.Tensor     # [1, 1+K] the root and depth 1 as "kept" indices (0, then 0..K-1)
-    zero: torch.Tensor          # [1, 1] float32: the root's score
-    depth: torch.Tensor         # [1+M] int64
-    parent_base: torch.Tensor   # [1+M] id of the first candidate one depth up (root: M+1, a -1)
-    token_base: torch.Tensor    # [1+M] offset of its depth in [root x K, tok[:, 0], tok[:, 1], ...]
-    node_ids: torch.Tensor      # [n+1] 0..n, n = min(budget, M) real non-root nodes
-
-
-_PLANS: dict = {}   # (budget, K, L, device) -> _Plan; never evicted: captured graphs read these
-
-
-def _plan(budget: int, K: int, L: int, device: torch.device) -> _Plan:
-    """The cached _Plan of (budget, K, L) on `device` (host work, once per shape: before any graph
-    capture)."""
-    if (budget, K, L, device) not in _PLANS:
-        sizes = [K]
-        for _ in range(1, L):
-            sizes.append(min(budget, sizes[-1] * K))
-        M, first = sum(sizes), [1 + sum(sizes[:d]) for d in range(L)]  # first: depth d+1's first id
-        depth, parent_base, token_base = [0], [M + 1], [0]
-        for d, n_d in enumerate(sizes):
-            depth += [d + 1] * n_d
-            parent_base += [first[d - 1] if d else 0] * n_d
-            token_base += [(1 + d) * K] * n_d
-        on = lambda t: torch.as_tensor(t).to(device)
-        _PLANS[budget, K, L, device] = _Plan(
-            sizes, on([[0] + list(range(K))]), on(torch.zeros(1, 1)), on(depth),
-            on(parent_base), on(token_base), on(list(range(min(budget, M) + 1))))
-    return _PLANS[budget, K, L, device]
-
-
 def _astuple(tr: Tree) -> tuple:
     return tuple(getattr(tr, f.name) for f in fields(tr))
 
@@ -318,8 +251,7 @@ def _astuple(tr: Tree) -> tuple:
 
 def build_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int],
                        budget: int) -> Tree:
-    """[b, L, V] logits, [b] roots -> Tree with fields [b, N], N = budget + 1 (mask [b, N, N]):
-    rank, then search."""
+    """[b, L, V] logits, [b] roots -> Tree of N = budget + 1 nodes ([b, N]): rank, then search."""
     bsz, L, V = draft_logits.shape
     roots = torch.as_tensor(roots, dtype=torch.long, device=draft_logits.device).reshape(bsz)  # [b]
     lp, tok = rank_tokens(draft_logits, min(budget, V))                                  # [b, L, K]

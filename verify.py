@@ -94,25 +94,20 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
 @kernels.fast
 def accept(tree: Tree,
            target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The longest root-to-node path whose every token equals the target's token at its parent.
-
-    tree: batched [B, N]; target_tokens [B, N]: the target's (argmax or sampled) token after each
-    node. Returns accepted [B, N] (node indices of the path in depth order, root first; entries past
-    accept_len repeat the last node), accept_len [B] (nodes on the path incl. the root = tokens
-    committed this step, counting the bonus), bonus [B] (the target's token after the deepest
-    accepted node)."""
+    """The longest root-to-node path whose every token is the target's token after its parent.
+    tree [B, N]; target_tokens [B, N]: the target's token after each node. Returns accepted [B, N]
+    (the path's nodes, root first; past accept_len the last one repeats), accept_len [B] (its
+    nodes incl. the root = the tokens this step commits, bonus included), bonus [B] (the target's
+    token after the path)."""
     B, N = tree.tokens.shape
     parent_target = target_tokens.gather(1, tree.parents.clamp(min=0))              # [B, N]
     match = (tree.tokens == parent_target) & tree.valid                             # [B, N]
-    # a node is on an accepted path iff every node of its path below the root (always committed)
-    # matches; on bools, mask <= match reads "ancestor implies match"
+    # on the path iff every ancestor below the root matches (bools: mask <= match = "implies")
     ok = (tree.ancestor_mask[:, :, 1:] <= match[:, None, 1:]).all(dim=-1)           # [B, N]
-    # siblings carry distinct tokens, so at most one child of a node matches:
-    # the ok nodes form one chain
+    # siblings carry distinct tokens: at most one child matches, the ok nodes form one chain
     accept_len = ok.sum(dim=-1)                                                     # [B]
     deepest = torch.where(ok, tree.depths, -1).argmax(dim=-1, keepdim=True)         # [B, 1]
-    # scatter each path node to its depth (the other nodes to a dump column N);
-    # the rest repeat the deepest
+    # each path node to its depth (the others to a dump column N); the rest repeat the deepest
     accepted = deepest.repeat(1, N + 1)                                             # [B, N+1]
     node_ids = torch.arange(N, device=tree.tokens.device).expand(B, N)              # [B, N]
     accepted.scatter_(1, torch.where(ok, tree.depths, N), node_ids)
@@ -123,14 +118,10 @@ def accept(tree: Tree,
 @kernels.fast
 def commit_kv(kv_cache: torch.Tensor, start_pos: torch.Tensor | int, accepted: torch.Tensor,
               accept_len: torch.Tensor) -> None:
-    """Move the accepted path's KV (written at slots start + node) to slots start + [0, accept_len)
-    for every layer at once. kv_cache [n_layers, Bmax, S, C]; start_pos int or [B] (or [B, 1]);
-    accepted [B, N]; accept_len [B].
-
-    Valid without recompute: the path's nodes sat at positions start + depth = exactly the slots
-    they move to, and each saw only its ancestors, i.e. causal attention along the path. Fixed
-    shapes: slots past accept_len copy onto themselves, so the same ops serve every tree and can be
-    graph-captured."""
+    """Move the accepted path's KV from slots start + node to start + [0, accept_len), in every
+    layer: kv_cache [n_layers, Bmax, S, C], start_pos int or [B], accepted [B, N], accept_len [B].
+    No recompute: each path node sat at position start + depth, the slot it moves to, and saw only
+    its ancestors. Slots past accept_len copy onto themselves (fixed shapes)."""
     B, N = accepted.shape
     start = torch.as_tensor(start_pos, device=accepted.device).view(-1, 1).expand(B, 1)  # [B, 1]
     j = torch.arange(N, device=accepted.device)                                           # [N]
