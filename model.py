@@ -384,8 +384,8 @@ class MLA(nn.Module):
         tree_mask [B, T, T] bool: what the new tokens see among themselves (the prefix before
         start_pos is always visible). absorb: attend over the compressed cache (decode, verify)."""
         B, T, _ = x.shape
-        R, P = self.kv_lora_rank, self.rope_dim
-        q_a, kv = self.qkv_a_proj(x).split([self.q_lora_rank, R + P], -1)  # [B, T, q_lora], [B, T, R+P]
+        q_a, kv = self.qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim],
+                                           -1)                   # [B, T, q_lora_rank], [B, T, R+P]
         q = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, T, self.n_heads, -1)  # [B, T, H, qk]
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         q_pe = rope(q_pe, cos, sin)
