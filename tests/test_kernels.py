@@ -772,7 +772,7 @@ def tree_logits(g: torch.Generator, b: int, L: int, V_: int, kind: str) -> torch
 @needs_kernels
 @pytest.mark.parametrize("B", [1, 3, 8, 16, 63, 64])
 def test_ddtree_search_kernel(B):
-    """Depths 1..15 against budgets up to 64 (65 nodes: no packed rows), vocabularies small enough to leave padding
+    """Depths 1..15 against budgets up to 64, vocabularies small enough to leave padding
     tails (V < B), batches of 1 and 3, and tie-heavy logits."""
     g = torch.Generator().manual_seed(B)
     kinds, vocabs = ["gauss", "rounded", "equal", "peaked"], [2, 3, 5, 64, 1000]
