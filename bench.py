@@ -1162,7 +1162,8 @@ def bench_draft(a, device, dtype) -> dict:
             block = torch.randn(1, args.block_size, args.hidden_size, device=device, dtype=dtype)
             feats = torch.randn(1, args.block_size, args.fc_in, device=device, dtype=dtype)
             ctx_len = torch.tensor([ctx], device=device)
-            step = lambda: drafter(block, feats, ctx_len)
+            n_valid = torch.tensor([args.block_size], device=device)        # no padding rows
+            step = lambda: drafter(block, feats, ctx_len, n_valid)
             t = median_time(step, device, graph=a.graph and device.type == "cuda")
             comm = (2 * args.num_hidden_layers + 1) * a.allreduce_us[0] if tp > 1 else 0.0
             rows.append({"tp": tp, "ctx": ctx, "weights_MB": nbytes / 1e6, "us": t * 1e6, "comm_us": comm,

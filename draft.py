@@ -19,7 +19,9 @@ committed last round, at slots ctx_len..) equals recomputing it from all context
 The block's own K/V pass through the slots right after the context (one cache, one attention over
 it, no concatenation) and are overwritten by the next round's context rows. The drafter never sees
 rejected branches: the caller passes features of accepted tokens only, and a row's stale
-slots >= ctx_len are overwritten before they become visible.
+slots >= ctx_len are overwritten before they become visible. The step's shapes are fixed (one CUDA
+graph for every step): each row gets block_size context rows of which its first n_valid are real;
+the padding rows are parked block_size slots past the block, where nothing reads them.
 
 Tensor parallel (torchrun), like the target: each rank holds 1/world_size of the drafter's heads, of
 its intermediate rows and of fc's input columns, and only its own kv heads in the context cache.
@@ -102,7 +104,8 @@ class DraftArgs:
 # Layers, tensor-parallel like model.py: q/k/v_proj and gate/up_proj column-parallel (whole heads,
 # slices of the intermediate rows), o_proj, down_proj and fc row-parallel, each followed by an
 # all_reduce at its call site (only when world_size > 1). Norms and rope are replicated. The MLP is
-# model.DenseMLP itself.
+# model.DenseMLP itself. fc's input, the target's residual stream, is on every rank: each multiplies
+# its slice of the columns.
 
 
 class Linear(M.Linear):
@@ -122,11 +125,9 @@ class Linear(M.Linear):
 
     def forward(self, x: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
         """x W^T + b, or only the output rows `rows` (some of the tensors a stacked weight holds)"""
-        # row-parallel: the caller all-reduces the ranks' partial sums, so only rank 0 adds the bias
-        bias = None if self.weight.shard_dim == 1 and M.rank != 0 else self.bias
-        if bias is None:
+        if self.bias is None or (self.weight.shard_dim == 1 and M.rank != 0):  # rank 0 adds it
             return M.linear(x, self.weight[rows])
-        return F.linear(x, self.weight[rows], bias[rows])
+        return F.linear(x, self.weight[rows], self.bias[rows])
 
 
 class Attention(nn.Module):
@@ -154,17 +155,12 @@ class Attention(nn.Module):
         return M.rope(self.k_norm(k), cos, sin, interleaved=False), v
 
     def forward(self, x, f, cos, sin, mask=None, cache: BlockCache | None = None) -> torch.Tensor:
-        """x [B, N, D]: the block's rows (input_layernorm'ed); f [B, n, D]: context rows (fused
-        target features, no norm); cos / sin [B, n + N, hd]: their rope angles, context first.
-        The same q/k/v projections serve both ("KV injection"); the block's queries attend over
-        the K/V of [f | x] -> [B, N, D].
-        cache None: one attention over the concatenated K/V, block row i seeing the keys
-          mask[b, i] ([B, N, n + N] bool; None: all of them): the plain drafter (plain_forward).
-        cache: every row's K/V goes to the cache at cache.slots, then the block reads its first
-          prefix + N slots (qkv_norm_rope and block_attention, one kernel each on a GPU)."""
+        """x [B, N, D]: the block's rows (normed); f [B, n, D]: the context rows (fused features);
+        cos / sin [B, n + N, hd], context first. One q/k/v projection serves both ("KV injection"),
+        and the block's queries attend over the K/V of [f | x] -> [B, N, D]: through the cache, or
+        with no cache concatenated (the plain drafter; block row i sees the keys mask[b, i])."""
         B, n = x.shape[0], f.shape[1]
-        x = torch.cat([f, x], 1)                                             # [B, n + N, D]
-        qkv = self.qkv_proj(x)                                               # [B, n+N, (H+2KV) hd]
+        qkv = self.qkv_proj(torch.cat([f, x], 1))                            # [B, n+N, (H+2KV) hd]
         if cache is None:
             o = self._plain_attention(qkv, cos, sin, mask, n)                # [B, N, H, hd]
         else:
@@ -172,9 +168,8 @@ class Attention(nn.Module):
             q = qkv_norm_rope(qkv, self.n_heads, self.n_kv, self.q_norm.weight, self.k_norm.weight,
                               self.q_norm.eps, cos, sin, k_cache, v_cache, cache.slots,
                               q_start=n)                                     # [B, N, H, hd]
-            S = cache.S
-            o = block_attention(q, k_cache[:B, :S], v_cache[:B, :S], cache.prefix,
-                                self.hd ** -0.5)                             # [B, N, H, hd]
+            k_cache, v_cache = k_cache[:B, :cache.S], v_cache[:B, :cache.S]  # the slots it reads
+            o = block_attention(q, k_cache, v_cache, cache.prefix, self.hd ** -0.5)  # [B, N, H, hd]
         y = self.o_proj(o.flatten(2))                                        # [B, N, D]
         if M.world_size > 1:
             dist.all_reduce(y)      # o_proj is row-parallel: sum the heads' partial outputs
@@ -182,7 +177,8 @@ class Attention(nn.Module):
 
     def _plain_attention(self, qkv, cos, sin, mask, n: int) -> torch.Tensor:
         """The equations: per-head q_norm / k_norm, rope, GQA softmax attention of the block's
-        queries (rows >= n) over every row's keys -> [B, N, H, hd]."""
+        queries (rows >= n) over every row's keys, block row i seeing the keys mask[b, i]
+        ([B, N, n + N] bool; None: all of them) -> [B, N, H, hd]."""
         heads = (self.n_heads, self.n_kv, self.n_kv)
         q, k, v = qkv.unflatten(-1, (sum(heads), self.hd)).split(heads, 2)   # [B, n+N, heads, hd]
         q = self.q_norm(q[:, n:])                                     # [B, N, H, hd]: the block's
@@ -212,8 +208,7 @@ class Layer(nn.Module):
         self.mlp = M.DenseMLP(a.hidden_size, a.intermediate_size)
 
     def forward(self, h, f, cos, sin, mask=None, cache: BlockCache | None = None) -> torch.Tensor:
-        """h [B, N, D]: the block's residual stream; f [B, n, D]: the context rows (see
-        Attention.forward)."""
+        """h [B, N, D]: the block's residual stream; the rest as in Attention.forward"""
         attn = self.self_attn(self.input_layernorm(h), f, cos, sin, mask, cache)
         h, x = self.post_attention_layernorm.add(h, attn)                  # h + attn and its norm
         return h + self.mlp(x)
@@ -299,67 +294,33 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rope_cos_sin(self.ids[None, :S], w.dtype)                    # [1, S, hd]
         self.rope_cos, self.rope_sin = cos[0], sin[0]                                # [S, hd] each
 
-    def _check_room(self, ctx_len: int, n_new: int) -> None:
-        if ctx_len + n_new > self.max_ctx_len:
-            raise ValueError(f"drafter context overflow: ctx_len {ctx_len} + {n_new} new rows > "
-                             f"max_ctx_len {self.max_ctx_len}")
-
     def fuse(self, ctx_feats: torch.Tensor) -> torch.Tensor:
-        """Context features [B, n, n_taps*D] -> hidden_norm(fc(.)) [B, n, D]. fc is row-parallel:
-        every rank has all the features (the target's residual stream is replicated), multiplies its
-        slice of the input columns, and one all_reduce sums the partial products."""
+        """Context features [B, n, n_taps*D] -> hidden_norm(fc(.)) [B, n, D]"""
         w = self.fc.weight                                                     # [D, fc_in/ws]
         x = ctx_feats.narrow(-1, M.rank * w.shape[1], w.shape[1]).to(w.dtype)  # ws 1: all columns
-        f = self.fc(x)
+        f = self.fc(x)                                                         # [B, n, D]
         if M.world_size > 1:
-            dist.all_reduce(f)
+            dist.all_reduce(f)      # fc is row-parallel: sum the ranks' partial products
         return self.hidden_norm(f)
 
     @torch.no_grad()
-    def forward(self, block_embeds: torch.Tensor, ctx_feats: torch.Tensor, ctx_len,
-                n_valid=None) -> torch.Tensor:
-        """block_embeds [B, bs, D]; ctx_feats [B, n_new, n_taps*D]: features of the tokens at
-        positions ctx_len .. ctx_len+n_new-1 (committed since the last call), appended to the
-        context cache.
-        ctx_len: int, or LongTensor [B] (per-row cache length; then every row's attention covers the
-        whole cache, each row reading only its own slots < ctx_len+n_new+bs: fixed shapes, no host
-        sync). Returns the normalized hidden states [B, bs, D] of the block at positions
-        ctx_len+n_new ...+bs-1. With a tensor ctx_len the caller keeps
-        ctx_len + n_new <= max_ctx_len (not checked: that would sync the host).
-        n_valid: LongTensor [B] (with a tensor ctx_len): only the first n_valid rows of ctx_feats
-        are real context (fixed-shape CUDA-graph steps pad to n_new <= bs rows); the padding rows
-        are written past the block's slots, stay invisible, and later calls overwrite them.
-        Under TP a forward makes 2 * num_hidden_layers + 1 all-reduces: fc, then o_proj and
-        down_proj per layer; the context K/V need none (each rank projects and caches its own kv
-        heads)."""
+    def forward(self, block_embeds: torch.Tensor, ctx_feats: torch.Tensor, ctx_len: torch.Tensor,
+                n_valid: torch.Tensor) -> torch.Tensor:
+        """The cached forward, fixed shapes: block_embeds [B, bs, D]; ctx_feats [B, n, n_taps*D]:
+        row b's first n_valid[b] are the features of its tokens at positions ctx_len[b].. (committed
+        since its last call), the rest (at most bs) padding -> normalized hidden states [B, bs, D]
+        of the block. The caller keeps ctx_len + n_valid <= max_ctx_len (a check would sync)."""
         if self.ctx_cache is None:
-            raise RuntimeError("call setup_cache(max_batch_size, max_ctx_len) "
-                               "before the drafter forward")
-        B, bs, _ = block_embeds.shape
-        n_new, dev = ctx_feats.shape[1], block_embeds.device
-        if isinstance(ctx_len, int):
-            self._check_room(ctx_len, n_new)
-            start = torch.full((B,), ctx_len, dtype=torch.long, device=dev)  # [B]
-            S = ctx_len + n_new + bs            # eager: read only the live slots and the block
-        else:
-            start = ctx_len.to(dev, torch.long)                              # [B]
-            S = self.max_ctx_len + bs
-        if n_valid is not None and n_new > bs:
-            raise ValueError(f"{n_new} padded context rows: at most block_size {bs} "
-                             "(the cache parks that many)")
-        live = start + (n_new if n_valid is None else n_valid)            # [B] context after append
-        ids = self.ids
-        # each row's cache slot = its rope position: the new context rows at start.., the block
-        # right after them at live..; padding rows (i >= n_valid) are moved bs slots up, past the
-        # block, where nothing reads them
-        ctx_slots = start[:, None] + ids[:n_new]                          # [B, n_new]
-        if n_valid is not None:
-            ctx_slots = ctx_slots + bs * (ids[:n_new] >= n_valid[:, None])
-        slots = torch.cat([ctx_slots, live[:, None] + ids[:bs]], dim=1)   # [B, n_new + bs]
-        dtype = self.fc.weight.dtype
-        cos, sin = self.rope_cos[slots], self.rope_sin[slots]             # [B, n_new + bs, hd]
-        f = self.fuse(ctx_feats)                                          # [B, n_new, D]
-        h = block_embeds.to(dtype)                                        # [B, bs, D]
+            raise RuntimeError("call setup_cache(max_batch_size, max_ctx_len) first")
+        bs, n, ids = block_embeds.shape[1], ctx_feats.shape[1], self.ids
+        live = ctx_len + n_valid                                          # [B] context after append
+        # slot = rope position; padding rows (i >= n_valid) go bs slots up, past the block, unread
+        ctx_slots = ctx_len[:, None] + ids[:n] + bs * (ids[:n] >= n_valid[:, None])  # [B, n]
+        slots = torch.cat([ctx_slots, live[:, None] + ids[:bs]], dim=1)              # [B, n+bs]
+        cos, sin = self.rope_cos[slots], self.rope_sin[slots]                        # [B, n+bs, hd]
+        f = self.fuse(ctx_feats)                                                     # [B, n, D]
+        h = block_embeds.to(self.fc.weight.dtype)                                    # [B, bs, D]
+        S = self.max_ctx_len + bs                    # the slots a row may read: context, then block
         for i, layer in enumerate(self.layers):
             h = layer(h, f, cos, sin, cache=BlockCache(self.ctx_cache[i], slots, live, S))
         return self.norm(h)
@@ -368,9 +329,13 @@ class DFlashDrafter(nn.Module):
     def append_context(self, ctx_feats: torch.Tensor, ctx_len: int, row: int = 0) -> None:
         """Write context rows' K/V without drafting (the prompt, before fixed-shape steps take over)
         into cache rows row .. row+B-1."""
-        self._check_room(ctx_len, ctx_feats.shape[1])
+        B, n, _ = ctx_feats.shape
+        if self.ctx_cache is None:
+            raise RuntimeError("call setup_cache(max_batch_size, max_ctx_len) first")
+        if ctx_len + n > self.max_ctx_len:
+            raise ValueError(f"drafter context overflow: ctx_len {ctx_len} + {n} new rows > "
+                             f"max_ctx_len {self.max_ctx_len}")
         f = self.fuse(ctx_feats)                                          # [B, n, D]
-        B, n, _ = f.shape
         cos, sin = (t[None, ctx_len:ctx_len + n].expand(B, n, -1)
                     for t in (self.rope_cos, self.rope_sin))              # [B, n, hd]
         for i, layer in enumerate(self.layers):
@@ -380,15 +345,12 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def draft_logits(self, target: M.Transformer, last_token: torch.Tensor, ctx_feats: torch.Tensor,
-                     ctx_len, n_valid=None) -> torch.Tensor:
-        """last_token [B] (last committed / bonus token) -> fp32 logits [B, bs-1, V] for the
-        block_size-1 tokens after it, in global vocab order. Under TP: the forward's all-reduces,
-        plus the target's embedding all-reduce and lm_head all-gather."""
+                     ctx_len: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+        """last_token [B] (the bonus) -> fp32 logits [B, bs-1, V] of the tokens after it (the rest:
+        forward's). Under TP: the target's embedding all-reduce, forward's, lm_head's all-gather."""
         a, B = self.args, last_token.shape[0]
-        block = torch.full((B, a.block_size), a.mask_token_id, dtype=torch.long,
-                           device=last_token.device)
-        # slot 0 must be the real token (MASK there collapses acceptance)
-        block[:, 0] = last_token
+        block = torch.full((B, a.block_size), a.mask_token_id, device=last_token.device)  # [B, bs]
+        block[:, 0] = last_token            # the real token first: MASK there collapses acceptance
         x = target.embed_tokens(block)                                    # [B, bs, D]
         if a.input_embedding_scale != 1.0:
             x = x * a.input_embedding_scale
@@ -409,15 +371,12 @@ class DFlashDrafter(nn.Module):
 @kernels.fast
 def qkv_norm_rope(qkv, n_heads: int, n_kv: int, q_weight, k_weight, eps: float, cos, sin, k_cache,
                   v_cache, slots, q_start: int, interleaved: bool = False) -> torch.Tensor:
-    """qkv [B, T, (H + 2 KV) hd]: the fused q|k|v projection of T rows. Every row's key, RMS-normed
-    per head (k_norm) and rotated, and its value go to k_cache / v_cache [Bmax, S, KV, hd] at
-    (b, slots[b, t]); returns the queries of rows t >= q_start, q_norm'ed and rotated,
-    [B, T - q_start, H, hd]. cos / sin [B, T, hd] (rope_cos_sin; Qwen3's halves unless
-    interleaved)."""
-    B = qkv.shape[0]
+    """qkv [B, T, (H + 2 KV) hd]: T rows' fused q|k|v. Every row's key (k_norm'ed, rotated) and
+    value go to k_cache / v_cache [Bmax, S, KV, hd] at (b, slots[b, t]); returns the queries of rows
+    t >= q_start, q_norm'ed and rotated [B, T - q_start, H, hd]. cos / sin [B, T, hd]."""
     # [B, T, heads, hd]
     q, k, v = qkv.unflatten(-1, (n_heads + 2 * n_kv, -1)).split([n_heads, n_kv, n_kv], dim=2)
-    rows = torch.arange(B, device=qkv.device)[:, None]                                # [B, 1]
+    rows = torch.arange(qkv.shape[0], device=qkv.device)[:, None]                     # [B, 1]
     k_cache[rows, slots] = M.rope(M.rms_norm(k, k_weight, eps), cos, sin, interleaved)
     v_cache[rows, slots] = v
     return M.rope(M.rms_norm(q[:, q_start:], q_weight, eps), cos[:, q_start:], sin[:, q_start:],
@@ -425,25 +384,18 @@ def qkv_norm_rope(qkv, n_heads: int, n_kv: int, q_weight, k_weight, eps: float, 
 
 
 @kernels.fast
-def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float,
-                    out=None) -> torch.Tensor:
-    """The block's attention: q [B, T, H, hd] (the T block tokens' queries), k_cache / v_cache
-    [B, S, KV, hd] (GQA: query head h reads kv head h // (H / KV)); row b sees its keys
-    s < prefix_len[b] + T, the context then the block itself, with no mask -> [B, T, H, hd].
-    softmax(q k^T * scale) v in fp32 (as flash attention computes it), cast back to q's dtype: two
-    matmuls, the G = H / KV query heads of a kv head stacked as the rows of one. (Not
-    F.scaled_dot_product_attention: with a mask and this few query rows per head it may pick a cuDNN
-    kernel that spreads the little work over few blocks.)"""
-    B, T, H, hd = q.shape
-    S, KV = k_cache.shape[1], k_cache.shape[2]
+def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=None):
+    """GQA attention of the block's queries q [B, T, H, hd] over k_cache / v_cache [B, S, KV, hd],
+    row b's keys s < prefix_len[b] + T (its context, then the block) -> [B, T, H, hd]. In fp32, as
+    flash attention computes it; a kv head's G = H / KV query heads are one matmul's rows. Not
+    SDPA: with a mask and this few query rows it may pick a cuDNN kernel that uses few blocks."""
+    (B, T, H, hd), (S, KV) = q.shape, k_cache.shape[1:3]
     qg = q.float().transpose(1, 2).reshape(B, KV, H // KV * T, hd)           # [B, KV, G*T, hd]
-    # [B, KV, G*T, S]
-    s = torch.matmul(qg, k_cache.float().transpose(1, 2).transpose(-1, -2)) * softmax_scale
+    s = torch.matmul(qg, k_cache.float().permute(0, 2, 3, 1)) * softmax_scale  # [B, KV, G*T, S]
     visible = torch.arange(S, device=q.device) < (prefix_len + T)[:, None]   # [B, S]
     s = s.masked_fill(~visible[:, None, None], float("-inf"))
     o = torch.matmul(s.softmax(-1), v_cache.float().transpose(1, 2))         # [B, KV, G*T, hd]
-    o = o.view(B, H, T, hd).transpose(1, 2)
-    o = o.to(q.dtype)                                                         # [B, T, H, hd]
+    o = o.view(B, H, T, hd).transpose(1, 2).to(q.dtype)                       # [B, T, H, hd]
     return o if out is None else out.copy_(o)
 
 

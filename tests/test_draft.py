@@ -99,6 +99,12 @@ def loaded(path, target_args, Bmax=2, ctx=64):
     return d
 
 
+def lens(B, ctx_len, n):
+    """The forward's ctx_len and n_valid ([B] each) for rows that all hold ctx_len context rows and get n
+    new ones, none of them padding."""
+    return torch.full((B,), ctx_len), torch.full((B,), n)
+
+
 def randn(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
@@ -120,10 +126,10 @@ def test_incremental_rounds_match_reference(tmp_path, target, n_shards):
     ctx_len = 0
     for r, n_new in enumerate([9, 3, 1, 4]):           # round 1 = prompt, then accepted-path lengths
         blk = randn(B, bs, D, seed=10 + r)
-        got = inc(blk, feats[:, ctx_len:ctx_len + n_new], ctx_len)
+        got = inc(blk, feats[:, ctx_len:ctx_len + n_new], *lens(B, ctx_len, n_new))
         ref = ref_drafter(W, cfg, blk, feats[:, :ctx_len + n_new])
         fresh = loaded(tmp_path, target.args)          # fresh cache, all context features at once
-        once = fresh(blk, feats[:, :ctx_len + n_new], 0)
+        once = fresh(blk, feats[:, :ctx_len + n_new], *lens(B, 0, ctx_len + n_new))
         assert got.shape == (B, bs, D)
         assert err(got, ref) <= TOL, f"round {r}: drafter vs equations {err(got, ref):.2e}"
         assert err(got, once) <= TOL, f"round {r}: incremental vs recompute {err(got, once):.2e}"
@@ -176,7 +182,7 @@ def test_cached_logits_match_plain_forward(tmp_path, target):
     with torch.no_grad():
         ctx = 0
         for r, n_new in enumerate([9, 3, 1]):
-            got = d.draft_logits(target, last[r], feats[:, ctx:ctx + n_new], ctx)  # [B, bs-1, V]
+            got = d.draft_logits(target, last[r], feats[:, ctx:ctx + n_new], *lens(B, ctx, n_new))
             ctx += n_new
             for b in range(B):
                 check(got, b, ctx, last[r, b], f"round {r} row {b}")
@@ -200,7 +206,7 @@ def test_attention_bias_matches_equations(tmp_path, target):
     d = loaded(tmp_path, target.args)
     at = d.layers[0].self_attn
     assert torch.equal(at.qkv_proj.bias, torch.cat([W[f"layers.0.self_attn.{n}_proj.bias"] for n in "qkv"]))
-    got = d(blk, feats, 0)
+    got = d(blk, feats, *lens(B, 0, 12))
     ref = ref_drafter(W, cfg, blk, feats)
     assert err(got, ref) <= TOL, f"drafter with biases vs equations {err(got, ref):.2e}"
     no_bias = {k: (torch.zeros_like(v) if k.endswith("_proj.bias") else v) for k, v in W.items()}
@@ -208,16 +214,16 @@ def test_attention_bias_matches_equations(tmp_path, target):
 
 
 def test_per_row_ctx_len_and_stale_slots(tmp_path, target):
-    """ctx_len as LongTensor [B]: row 0 rolls back to 5 (its slots 5, 6 held rejected rows), row 1 is at 7.
+    """Per-row ctx_len: row 0 rolls back to 5 (its slots 5, 6 held rejected rows), row 1 is at 7.
     The new rows overwrite stale slots, and no row sees anything past its own ctx_len + n_new."""
     cfg, W = make_ckpt(tmp_path, target.args)
     d = loaded(tmp_path, target.args)
     B, D, bs = 2, cfg["hidden_size"], cfg["block_size"]
     feats = randn(B, 7, 2 * D, seed=3)
     new = randn(B, 2, 2 * D, seed=4)
-    d(randn(B, bs, D, seed=5), feats, 0)
+    d(randn(B, bs, D, seed=5), feats, *lens(B, 0, 7))
     blk = randn(B, bs, D, seed=6)
-    got = d(blk, new, torch.tensor([5, 7]))
+    got = d(blk, new, torch.tensor([5, 7]), torch.tensor([2, 2]))
     ref0 = ref_drafter(W, cfg, blk[:1], torch.cat([feats[:1, :5], new[:1]], 1))
     ref1 = ref_drafter(W, cfg, blk[1:], torch.cat([feats[1:], new[1:]], 1))
     assert err(got[0], ref0[0]) <= TOL and err(got[1], ref1[0]) <= TOL
@@ -236,7 +242,8 @@ def test_gpu_kernel_path_matches_equations(tmp_path, target, dtype, tol, monkeyp
     d = Dr.load_drafter(str(tmp_path), target.args, device="cuda", dtype=dtype)
     d.setup_cache(B, 64)
     feats = randn(B, 20, n_taps * D, seed=2)
-    d(randn(B, bs, D, seed=3).to("cuda", dtype), feats[:, :9].to("cuda", dtype), 0)
+    d(randn(B, bs, D, seed=3).to("cuda", dtype), feats[:, :9].to("cuda", dtype),
+      *(t.cuda() for t in lens(B, 0, 9)))
     ctx = [9, 9]
     for r, n_valid in enumerate([[3, 1], [4, 2], [1, 4]]):
         padded = randn(B, bs, n_taps * D, seed=20 + r) * 100                      # the padding rows: garbage
@@ -258,7 +265,7 @@ def test_draft_logits_with_target_features(tmp_path, target):
     ids = d.target_layer_ids
     tokens = torch.randint(0, cfg["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(7))
     _, feats = target(tokens[:, :-1], hidden_layers=ids)                       # [2, 7, n_taps*D]
-    logits = d.draft_logits(target, tokens[:, -1], feats, 0)
+    logits = d.draft_logits(target, tokens[:, -1], feats, *lens(2, 0, 7))
     assert logits.shape == (2, cfg["block_size"] - 1, cfg["vocab_size"]) and logits.dtype == torch.float32
     block = torch.full((2, cfg["block_size"]), cfg["dflash_config"]["mask_token_id"])
     block[:, 0] = tokens[:, -1]
@@ -273,10 +280,10 @@ def test_block_is_non_causal(tmp_path, target):
     d = loaded(tmp_path, target.args)
     D, bs = cfg["hidden_size"], cfg["block_size"]
     feats, blk = randn(1, 5, 2 * D, seed=8), randn(1, bs, D, seed=9)
-    a = d(blk, feats, 0)
+    a = d(blk, feats, *lens(1, 0, 5))
     blk2 = blk.clone()
     blk2[:, -1] += 1.0                                   # change the LAST block token only
-    b = d(blk2, feats[:, :0], 5)                         # same cached context, no new rows
+    b = d(blk2, feats[:, :0], *lens(1, 5, 0))            # same cached context, no new rows
     assert err(a[:, 0], b[:, 0]) > 1e-3                  # position 0 sees position bs-1
 
 
@@ -407,7 +414,9 @@ def test_cache_overflow_and_setup_required(tmp_path, target):
     d = Dr.load_drafter(str(tmp_path), target.args)
     blk, feats = torch.zeros(1, 4, 64), torch.zeros(1, 3, 128)
     with pytest.raises(RuntimeError, match="setup_cache"):
-        d(blk, feats, 0)
+        d(blk, feats, *lens(1, 0, 3))
+    with pytest.raises(RuntimeError, match="setup_cache"):
+        d.append_context(feats, 0)
     d.setup_cache(1, 8)
     with pytest.raises(ValueError, match="overflow"):
-        d(blk, feats, 6)
+        d.append_context(feats, 6)

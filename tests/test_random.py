@@ -120,7 +120,9 @@ def _run(tokens: torch.Tensor) -> dict:
     with torch.no_grad():
         logits, feats = target(tokens, hidden_layers=drafter.target_layer_ids)
     drafter.setup_cache(tokens.shape[0], 32)
-    draft_logits = drafter.draft_logits(target, tokens[:, -1], feats[:, :-1], 0)
+    B, n = tokens.shape[0], tokens.shape[1] - 1
+    draft_logits = drafter.draft_logits(target, tokens[:, -1], feats[:, :-1], torch.zeros(B, dtype=torch.long),
+                                        torch.full((B,), n))
     prompt = tokens[0].tolist()
     return {"logits": logits, "draft_logits": draft_logits, "ar": G.generate(target, prompt, 16, max_seq_len=64),
             "ddtree": G.generate(target, prompt, 16, drafter=drafter, budget=16, max_seq_len=64)}

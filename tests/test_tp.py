@@ -58,7 +58,9 @@ def _drafter_run(model, draft_dir, tokens) -> dict:
     with torch.no_grad():
         _, feats = model(tokens[:, :-1], hidden_layers=d.target_layer_ids)             # [B, T-1, n_taps*D]
     d.setup_cache(tokens.shape[0], 32)
-    logits = d.draft_logits(model, tokens[:, -1], feats, 0)                            # [B, bs-1, V]
+    B, n = feats.shape[:2]
+    logits = d.draft_logits(model, tokens[:, -1], feats, torch.zeros(B, dtype=torch.long),
+                            torch.full((B,), n))                                       # [B, bs-1, V]
     prompt = tokens[0, :5].tolist()
     ids = [G.generate(model, prompt, 12, drafter=d, budget=8, max_seq_len=64, mode=m) for m in ("eager", "static")]
     ids.append(G.generate(model, prompt, 30, drafter=d, budget="auto", max_seq_len=64))    # one-token stretches too
