@@ -264,10 +264,9 @@ def rope_inv_freq(args, dim: int | None = None, truncate: bool = True,
 
 def rope_cos_sin(inv_freq: torch.Tensor, attn_factor: float, positions: torch.Tensor, dtype,
                  interleaved: bool = True) -> tuple:
-    """positions [B, T] -> cos, sin [B, T, rope_dim] laid out for rope(): (cos, cos) and
-    (-sin, +sin) of each pair's angle, per adjacent pair (interleaved, K2) or as halves (the
-    drafter's Qwen3 rope). Computed in fp32, cast like transformers; once per forward, for every
-    layer."""
+    """positions [B, T] -> cos, sin [B, T, rope_dim] for rope(): each pair's (cos, cos) and
+    (-sin, sin), pairs adjacent (interleaved, K2) or halves (Qwen3, the drafter). fp32, then cast
+    like transformers."""
     ang = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)   # [B, T, dim/2]
     cos, sin = ang.cos(), ang.sin()
     if attn_factor != 1.0:
@@ -282,10 +281,8 @@ def rope_cos_sin(inv_freq: torch.Tensor, attn_factor: float, positions: torch.Te
 @kernels.fast
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
          interleaved: bool = True) -> torch.Tensor:
-    """Rotate the pairs (x1, x2) of x [B, T, (H,) P] - adjacent (x[2i], x[2i+1]) when interleaved,
-    else (x[i], x[i + P/2]) - by the angles in cos / sin [B, T, P] from rope_cos_sin:
-    x * (cos, cos) + (x2, x1) * (-sin, sin) = (x1 cos - x2 sin, x2 cos + x1 sin), bit for bit (the
-    sign sits in sin)."""
+    """Rotate each pair (x1, x2) of x [B, T, (H,) P] (x[2i], x[2i+1] when interleaved, else x[i],
+    x[i + P/2]) by cos / sin [B, T, P] (rope_cos_sin): x * (cos, cos) + (x2, x1) * (-sin, sin)."""
     if x.dim() == 4:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     if interleaved:
@@ -306,9 +303,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 def mla_latent(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                sin: torch.Tensor):
-    """What the cache keeps per token: kv [B, T, R+P] (kv_a_proj_with_mqa's output) ->
-    (rms_norm(kv[..., :R], weight), rope(kv[..., R:])) [B, T, R+P], the latent (key and value of
-    every head) and the shared rope key."""
+    """kv_a_proj_with_mqa's output kv [B, T, R+P] -> what the cache keeps per token [B, T, R+P]:
+    the normed latent (every head's key and value) and the roped shared key."""
     R = weight.shape[0]
     return torch.cat([rms_norm(kv[..., :R], weight, eps), rope(kv[..., R:], cos, sin)], dim=-1)
 
@@ -316,9 +312,7 @@ def mla_latent(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Te
 @kernels.fast
 def mla_latent_to_cache(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                         sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """The new tokens' mla_latent rows, written in place:
-    cache[b, slots[b, t]] = mla_latent(kv)[b, t]. cache [Bmax, S, R+P], slots [B, T] int64,
-    cos / sin [B, T, P]."""
+    """cache[b, slots[b, t]] = mla_latent(kv)[b, t] in place: cache [Bmax, S, R+P], slots [B, T]"""
     latent = mla_latent(kv, weight, eps, cos, sin)                                  # [B, T, R+P]
     B, T, C = latent.shape
     cache[:B].scatter_(1, slots[:, :, None].expand(B, T, C), latent.to(cache.dtype))
@@ -333,19 +327,13 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     S = cache.shape[1]
     kv, k_pe = cache[..., :R].float(), cache[..., R:].float()               # [B, S, R], [B, S, P]
     scores = (torch.einsum("bthr,bsr->bths", q_lat.float(), kv)
-              + torch.einsum("bthp,bsp->bths", q_pe.float(), k_pe))
-    scores = scores * softmax_scale                                             # [B, T, H, S]
-
-    # visibility [B, T, S]: the committed prefix, plus tree slot j = s - prefix_len where
-    # tree_mask[b, t, j]
-    s = torch.arange(S, device=cache.device)
-    j = s[None, :] - prefix_len[:, None]                                        # [B, S]
+              + torch.einsum("bthp,bsp->bths", q_pe.float(), k_pe)) * softmax_scale  # [B,T,H,S]
+    # visible [B, T, S]: the committed prefix, and tree slot j = s - prefix_len if tree_mask[.., j]
+    j = torch.arange(S, device=cache.device) - prefix_len[:, None]              # [B, S]
     in_tree = torch.gather(tree_mask, 2, j.clamp(0, T - 1)[:, None, :].expand(B, T, S))
     visible = (j < 0)[:, None, :] | (((j >= 0) & (j < T))[:, None, :] & in_tree)
-
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-    # no visible key -> 0
-    p = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1)[:, :, None, None], 0.0)
+    p = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1)[:, :, None, None], 0)  # none: 0
     o = torch.einsum("bths,bsr->bthr", p, kv).to(q_lat.dtype)
     return o if out is None else out.copy_(o)
 
@@ -549,19 +537,15 @@ class Gate(nn.Module):
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """[..., I/8] int32 words -> [..., I] int8 values q in [-8, 7]."""
     assert packed.dtype == torch.int32, f"want int32 words, got {packed.dtype}"
-    # the words as bytes (little-endian, as on every CPU and GPU torch runs on): byte j of word k
-    # holds columns 8k + 2j (low nibble) and 8k + 2j + 1 (high nibble). Two byte-wide ops instead of
-    # eight word-wide shifts.
-    assert sys.byteorder == "little", (
-        "unpack_int4 reads the words' bytes: big-endian hosts are not supported")
+    # read as little-endian bytes: byte j of word k holds columns 8k + 2j (low nibble), 8k + 2j + 1
+    assert sys.byteorder == "little", "unpack_int4 reads the words' bytes: big-endian host"
     b = packed.contiguous().view(torch.uint8)                        # [..., I/2]
     u = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)           # [..., I] nibble values 0..15
     return u.to(torch.int8) - 8                                      # q = u - 8 in [-8, 7]
 
 
 def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, group_size: int = 32) -> torch.Tensor:
-    """packed [..., O, I/8] int32, scale [..., O, I/group_size] -> W [..., O, I] in scale's
-    dtype."""
+    """packed [..., O, I/8] int32, scale [..., O, I/group_size] -> W [..., O, I], scale's dtype"""
     q = unpack_int4(packed)                                          # [..., O, I]
     assert q.shape[-1] == scale.shape[-1] * group_size, (
         f"{tuple(q.shape)}, scale {tuple(scale.shape)}, group {group_size}")
@@ -570,11 +554,9 @@ def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, group_size: int = 32
 
 
 def swiglu_experts(x, topk_ids, topk_weights, experts, w13, w2, y) -> torch.Tensor:
-    """Add Σ_k topk_weights[t, k] * SwiGLU_e(x[t]) over the pairs (t, k) whose expert
-    e = topk_ids[t, k] is one of `experts` [g] (increasing ids, weights w13 [g, 2I, D] gate rows
-    then up rows, w2 [g, D, I]) to y [T, D] fp32. One expert: only the tokens that chose it.
-    Several: every token through each, weighted by 0 where it did not choose it: more FLOPs, a fixed
-    handful of ops (what a CPU running a small model wants)."""
+    """y [T, D] fp32 += Σ_k topk_weights[t, k] SwiGLU_e(x[t]) over the pairs whose expert e is in
+    `experts` [g] (increasing ids; w13 [g, 2I, D] gate then up rows, w2 [g, D, I]). One expert: its
+    tokens only. Several: every token through each, weight 0 where not chosen (few ops: CPU)."""
     if len(experts) == 1:
         t, k = (topk_ids == experts[0]).nonzero(as_tuple=True)
         gate, up = F.linear(x[t].to(w13.dtype), w13[0]).chunk(2, dim=-1)            # [n, I] each
@@ -602,11 +584,9 @@ INT4_REF_GROUP_BYTES = 256 * 2**20
 @kernels.fast
 def int4_experts(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
                  group_size=32, out=None, shared=None):
-    """Routed experts from the INT4 layout: x [T, D], topk_ids / topk_weights [T, k] -> [T, D]
-    fp32 = Σ_k weight * SwiGLU expert_k(x) + shared(x) if given (the shared experts: x -> [T, D];
-    the fast path runs them beside the routed ones). w13_packed [E, 2I, D/8] (gate rows then up
-    rows), w2_packed [E, D, I/8], scales one per group. Only the used experts are dequantized, a
-    group at a time (at K2.6 size: one expert at a time), so memory stays bounded."""
+    """x [T, D], topk_ids / topk_weights [T, k] -> [T, D] fp32: Σ_k weight * SwiGLU expert_k(x),
+    + shared(x) (the shared experts) if given. w13_packed [E, 2I, D/8], w2_packed [E, D, I/8]
+    (INT4, Experts). Only the used experts are dequantized, a group at a time: bounded memory."""
     used = topk_ids.unique()                                              # [n] increasing ids
     per_expert = (w13_packed[0].numel() + w2_packed[0].numel()) * 8 * 4   # fp32 bytes, dequantized
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)        # [T, D]
@@ -690,10 +670,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x, r, cos, sin, cache, start_pos, tree_mask, absorb, slots=None):
-        """x [B, T, D]: the residual stream; r: the previous layer's MLP output, not yet added to it
-        (None in the first layer). Returns (x, this layer's MLP output): the layer's output is x + r
-        (residual), which the next norm adds (one launch for the add and the norm at every
-        residual)."""
+        """x [B, T, D]: the residual stream; r: the previous layer's MLP output, not yet in it (None
+        in layer 0). Returns (x, this layer's MLP output): the next norm adds them (one launch)."""
         x, h = (x, self.input_layernorm(x)) if r is None else self.input_layernorm.add(x, r)
         attn = self.self_attn(h, cos, sin, cache, start_pos, tree_mask, absorb, slots)
         x, h = self.post_attention_layernorm.add(x, attn)                  # x + attn and its norm
@@ -758,9 +736,8 @@ class Transformer(nn.Module):
         tree_mask [B, T, T] bool: what the tokens see among themselves (default causal).
         positions [B, T]: rope positions (default: the slots; tree verify passes start + depth)."""
         B, T = tokens.shape
-        slots = None if start_pos is None else _slots(start_pos, B, T, tokens.device)    # [B, T]
-        if positions is None:
-            positions = _slots(0, B, T, tokens.device) if slots is None else slots
+        slots = _slots(0 if start_pos is None else start_pos, B, T, tokens.device)     # [B, T]
+        positions = slots if positions is None else positions
         if start_pos is not None:
             if self.kv_cache is None:
                 raise RuntimeError("call setup_cache(max_batch_size, max_seq_len) first")
@@ -791,8 +768,7 @@ class Transformer(nn.Module):
         return Output(logits, torch.cat(taps, dim=-1) if taps else None)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Normalized hidden states [..., D] -> fp32 logits [..., vocab] in global vocabulary order
-        (the drafter shares this lm_head)."""
+        """Normed hidden states [..., D] -> fp32 logits [..., vocab] (the drafter's too)."""
         logits = self.lm_head(h).float()
         if world_size > 1:
             parts = [torch.empty_like(logits) for _ in range(world_size)]

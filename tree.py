@@ -212,9 +212,9 @@ def _fields(sel: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, token:
 
 
 def _tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
-          budget: int, depth: int) -> Tree:
+          budget: int, max_depth: int) -> Tree:
     """Node fields [b, n], root first, n <= budget + 1 -> the Tree of N = budget + 1 nodes: padding
-    appended (see the module doc; only when V is tiny) and the ancestor mask (of a tree `depth`
+    appended (see the module doc; only when V is tiny) and the ancestor mask (of a tree max_depth
     deep)."""
     b, n = tokens.shape
     N = budget + 1
@@ -224,19 +224,19 @@ def _tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, sco
         tokens = torch.cat([tokens, tokens[:, :1].expand(b, N - n)], 1)
         parents, depths, valid = pad(parents, -1), pad(depths, 0), pad(valid, False)
         scores = pad(scores, float("-inf"))
-    return Tree(tokens, parents, depths, scores, valid, ancestor_mask(parents, depth))
+    return Tree(tokens, parents, depths, scores, valid, ancestor_mask(parents, max_depth))
 
 
-def ancestor_mask(parents, depth: int | None = None) -> torch.Tensor:
+def ancestor_mask(parents, max_depth: int | None = None) -> torch.Tensor:
     """parents [..., N] (-1: none) -> the verify mask [..., N, N] bool: row i marks the nodes on the
-    walk up from i, i included. `depth` steps (the tree's depth; default N - 1) reach the root; a
-    node without a parent is its own here, so a walk stays there."""
+    walk up from i, i included. max_depth steps (default N - 1) reach the root; a node without a
+    parent is its own here, so a walk stays there."""
     parents = torch.as_tensor(parents, dtype=torch.long)
     N, dev = parents.shape[-1], parents.device
     node = torch.arange(N, device=dev).expand_as(parents)                           # [..., N]
     up = torch.where(parents >= 0, parents, node)                                    # [..., N]
     walk = [node]
-    for _ in range(max(N - 1, 0) if depth is None else depth):
+    for _ in range(max(N - 1, 0) if max_depth is None else max_depth):
         walk.append(up.gather(-1, walk[-1]))                     # each node's next step up
     mask = torch.zeros(*parents.shape, N, dtype=torch.bool, device=dev)              # [..., N, N]
     return mask.scatter_(-1, torch.stack(walk, -1), True)
