@@ -82,19 +82,16 @@ class Step:
         """One DDTree (or chain) step for every row. hook(stage) runs after each stage: eager mode's
         clock; None when compiled or captured (nothing inside the step waits for the device)."""
         m, d, s, lap = self.model, self.drafter, self.state, hook or (lambda stage: None)
-        # 1. draft: one drafter forward, after it caches the context rows of the path committed
-        #    last step (ctx_feats[:, :new_ctx_len]; the padding rows after them stay invisible)
+        # 1. draft: one drafter forward (first caching the context rows of last step's path)
         draft_logits = d.draft_logits(m, s.bonus, s.ctx_feats, s.ctx_len,
                                       n_valid=s.new_ctx_len)                      # [B, L, V]
         s.ctx_len += s.new_ctx_len
         lap("draft")
-        # 2. build tree: the `budget` most probable prefixes under the drafter's marginals
-        #    (or the chain of its top-1 tokens)
+        # 2. build tree: the `budget` most probable prefixes (or the chain of top-1 tokens)
         tree = (T.chain_tree_batched(draft_logits, s.bonus, d.block_size - 1) if self.chain
                 else T.build_tree_batched(draft_logits, s.bonus, self.budget))  # fields [B, N]
         lap("tree")
-        # 3. verify: one target forward over every node, at position start + depth, attending
-        #    to its ancestors
+        # 3. verify: one target forward, node i at position start + depth_i seeing its ancestors
         ids, positions, mask = V.verify_inputs(tree, s.start)
         logits, hidden = m(ids, start_pos=s.start, positions=positions, tree_mask=mask,
                            hidden_layers=self.taps, debug=self.debug)  # [B, N, V], [B, N, taps*D]
@@ -103,9 +100,8 @@ class Step:
         targets = V.sample(logits, *self.sampling)                                  # [B, N]
         accepted, accept_len, bonus = V.accept(tree, targets)              # [B, N], [B], [B]
         n = accept_len * s.active                 # [B] tokens committed (finished rows: 0)
-        # 5. commit: the path's KV to slots start.. (finished rows move nothing); its hidden
-        #    states become the drafter's next context rows; its tokens after the root, then the
-        #    bonus, are what the row commits
+        # 5. commit: the path's KV to slots start.. (finished rows: none), its hidden states to
+        #    the drafter's next context rows, its tokens after the root and the bonus to `out`
         V.commit_kv(m.kv_cache, s.start, accepted, n)
         k = min(self.width, d.block_size)
         torch.gather(hidden, 1, accepted[:, :k, None].expand(-1, -1, hidden.shape[-1]),
@@ -125,8 +121,8 @@ class Step:
             hook("verify")
 
     def _commit(self, n, path, accept_len, bonus) -> None:
-        """Row b commits n[b] tokens (0 once finished): path[b, 1:accept_len[b]], the accepted
-        tokens after the root, then bonus[b], the next root. `out` gets the count, then them."""
+        """Row b commits n[b] tokens (0 once finished): path[b, 1:accept_len[b]] (after the root),
+        then bonus[b], the next root. `out` gets the count, then them."""
         s = self.state
         s.out[:, 0] = n
         s.out[:, 1:path.shape[1]] = path[:, 1:]

@@ -191,14 +191,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., N] / rms(x) * weight: fp32 statistics, cast back to x's dtype, then scaled (the
     transformers order; it matters in bf16)."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 @kernels.fast
 def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:
-    """(x + r, rms_norm(x + r)): a residual add and the next norm. r (an MLP's output; an MoE's is
-    fp32) is rounded to x's dtype first: the residual stream's."""
+    """(x + r, rms_norm(x + r)): a residual add and the next norm; r (MoE's: fp32) rounds first"""
     s = x + r.to(x.dtype)
     return s, rms_norm(s, weight, eps)
 
@@ -264,14 +262,10 @@ def rope_inv_freq(args, dim: int | None = None, truncate: bool = True,
 
 def rope_cos_sin(inv_freq: torch.Tensor, attn_factor: float, positions: torch.Tensor, dtype,
                  interleaved: bool = True) -> tuple:
-    """positions [B, T] -> cos, sin [B, T, rope_dim] for rope(): each pair's (cos, cos) and
-    (-sin, sin), pairs adjacent (interleaved, K2) or halves (Qwen3, the drafter). fp32, then cast
-    like transformers."""
+    """positions [B, T] -> cos, sin [B, T, rope_dim] for rope(): each pair's (cos, cos), (-sin,
+    sin), pairs adjacent (interleaved, K2) or halves (Qwen3, the drafter); fp32, cast as HF does"""
     ang = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)   # [B, T, dim/2]
-    cos, sin = ang.cos(), ang.sin()
-    if attn_factor != 1.0:
-        cos, sin = cos * attn_factor, sin * attn_factor
-    cos, sin = cos.to(dtype), sin.to(dtype)
+    cos, sin = (ang.cos() * attn_factor).to(dtype), (ang.sin() * attn_factor).to(dtype)
     if interleaved:
         return (torch.stack((cos, cos), dim=-1).flatten(-2),
                 torch.stack((-sin, sin), dim=-1).flatten(-2))
@@ -323,8 +317,7 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
     """Absorbed MLA attention: q_lat [B, T, H, R], q_pe [B, T, H, P] over cache [B, S, R+P] (the
     latent is both key and value) -> [B, T, H, R]. Query t of row b sees slot s < prefix_len[b] (the
     committed prefix) and tree slot prefix_len[b] + j where tree_mask[b, t, j] ([B, T, T] bool)."""
-    B, T, H, R = q_lat.shape
-    S = cache.shape[1]
+    (B, T, H, R), S = q_lat.shape, cache.shape[1]
     kv, k_pe = cache[..., :R].float(), cache[..., R:].float()               # [B, S, R], [B, S, P]
     scores = (torch.einsum("bthr,bsr->bths", q_lat.float(), kv)
               + torch.einsum("bthp,bsp->bths", q_pe.float(), k_pe)) * softmax_scale  # [B,T,H,S]
@@ -480,9 +473,8 @@ class DenseMLP(MLP):
 def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool,
                 scale: float, n_group: int = 1,
                 topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """noaux_tc routing: x [N, D], weight [E, D] fp32, bias [E] fp32 -> (weights [N, k] fp32, expert
-    ids [N, k] int64, in descending order of score + bias). Sigmoid scores in fp32; the bias steers
-    the choice only."""
+    """noaux_tc: x [N, D] -> (weights [N, k] fp32, expert ids [N, k] by descending score + bias):
+    sigmoid scores in fp32 (weight [E, D], bias [E] fp32); the bias steers the choice only."""
     scores = F.linear(x.float(), weight.float()).sigmoid()                             # [N, E]
     choice = scores + bias
     if n_group > 1:
@@ -629,8 +621,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 shared: nn.Module) -> torch.Tensor:
-        """x [N, D], weights/ids [N, k], shared: the shared experts -> [N, D] fp32, this rank's
-        partial sum of Σ_k w_k expert_k(x) + shared(x)."""
+        """x [N, D], weights/ids [N, k] -> this rank's Σ_k w_k expert_k(x) + shared(x) [N, D]"""
         if self.quant:
             return int4_experts(x, ids, weights, self.w13_packed, self.w13_scale, self.w2_packed,
                                 self.w2_scale, self.quant.group_size, shared=shared)
@@ -729,27 +720,23 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, start_pos=None, positions=None, tree_mask=None,
                 hidden_layers=(), absorb=None, last_only: bool = False, debug: bool = False,
                 cache_row: int = 0) -> Output:
-        """tokens [B, T] -> Output(logits [B, T, vocab] fp32, [B, 1, vocab] with last_only; hidden:
-        the outputs of hidden_layers, concatenated [B, T, len * D], or None).
-        start_pos None: no cache. int or LongTensor [B]: the tokens go to cache rows cache_row.. at
-          slots start_pos + [0, T), and see every slot before start_pos.
-        tree_mask [B, T, T] bool: what the tokens see among themselves (default causal).
-        positions [B, T]: rope positions (default: the slots; tree verify passes start + depth)."""
+        """tokens [B, T] -> Output(logits [B, T or 1 (last_only), vocab] fp32, hidden: the outputs
+        of hidden_layers, concatenated [B, T, len * D], or None). start_pos None: no cache; int or
+        LongTensor [B]: the tokens go to cache rows cache_row.. at slots start_pos + [0, T), and
+        see every slot before. tree_mask [B, T, T] bool: what they see among themselves (default
+        causal). positions [B, T]: rope positions (default the slots; verify: start + depth)."""
         B, T = tokens.shape
         slots = _slots(0 if start_pos is None else start_pos, B, T, tokens.device)     # [B, T]
         positions = slots if positions is None else positions
-        if start_pos is not None:
-            if self.kv_cache is None:
-                raise RuntimeError("call setup_cache(max_batch_size, max_seq_len) first")
-            if isinstance(start_pos, int) and start_pos + T > self.max_seq_len:
-                raise ValueError(f"cache overflow: start_pos {start_pos} + {T} tokens "
-                                 f"> max_seq_len {self.max_seq_len}")
+        if start_pos is not None and (self.kv_cache is None or isinstance(start_pos, int)
+                                      and start_pos + T > self.max_seq_len):
+            raise ValueError(f"cache overflow: {self.max_seq_len} slots (setup_cache), not "
+                             f"start_pos {start_pos} + {T} tokens")
         if absorb is None:       # see ABSORB_MAX_T
             absorb = start_pos is not None and (T <= ABSORB_MAX_T or tree_mask is not None
                                                 or not isinstance(start_pos, int))
-        if tree_mask is None:      # causal: built once per forward, for every layer
-            tree_mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()   # [T, T]
-            tree_mask = tree_mask.expand(B, T, T)
+        if tree_mask is None:      # causal, made once for every layer
+            tree_mask = torch.ones(B, T, T, dtype=torch.bool, device=tokens.device).tril()
         h, r = self.embed_tokens(tokens), None    # [B, T, D]; r: the last MLP output, not yet in h
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_attn_factor, positions, h.dtype)
         taps = []

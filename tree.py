@@ -177,10 +177,9 @@ def ddtree_search(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budg
 
 
 def _expand(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budget: int) -> list:
-    """Step 1: the candidates, numbered: the root, then each depth's survivors in rank-tuple order
-    -> score [b, 1+M] float32, parent (a candidate number; the root's -1), token, depth [b, 1+M].
-    Survivors stay in rank-tuple order, so their children, laid out (parent, rank), are too, and
-    a stable sort by score puts them in key order (test_frontier_lex_order_regression)."""
+    """Step 1 -> each candidate's score [b, 1+M] float32, parent (a candidate; the root's -1),
+    token and depth [b, 1+M]. Survivors stay in rank-tuple order, so do their children, laid out
+    (parent, rank): a stable sort by score keeps key order. test_frontier_lex_order_regression."""
     bsz, L, K = lp.shape
     r = roots[:, None]                                                               # [b, 1]
     f_score, first = lp.new_zeros(bsz, 1), 0     # a depth's survivors, the first one's number
@@ -213,9 +212,8 @@ def _fields(sel: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, token:
 
 def _tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
           budget: int, max_depth: int) -> Tree:
-    """Node fields [b, n], root first, n <= budget + 1 -> the Tree of N = budget + 1 nodes: padding
-    appended (see the module doc; only when V is tiny) and the ancestor mask (of a tree max_depth
-    deep)."""
+    """Node fields [b, n], root first, n <= N = budget + 1 -> the Tree: padding appended (only when
+    V is tiny: module doc) and the ancestor mask of a tree max_depth deep."""
     b, n = tokens.shape
     N = budget + 1
     valid = torch.ones(b, n, dtype=torch.bool, device=tokens.device)                 # [b, n]
@@ -228,9 +226,8 @@ def _tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, sco
 
 
 def ancestor_mask(parents, max_depth: int | None = None) -> torch.Tensor:
-    """parents [..., N] (-1: none) -> the verify mask [..., N, N] bool: row i marks the nodes on the
-    walk up from i, i included. max_depth steps (default N - 1) reach the root; a node without a
-    parent is its own here, so a walk stays there."""
+    """parents [..., N] (-1: none) -> the verify mask [..., N, N] bool: row i marks i and its walk
+    up, max_depth steps (default N - 1); a node without a parent is its own, so a walk stays."""
     parents = torch.as_tensor(parents, dtype=torch.long)
     N, dev = parents.shape[-1], parents.device
     node = torch.arange(N, device=dev).expand_as(parents)                           # [..., N]

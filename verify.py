@@ -29,10 +29,9 @@ from tree import Tree
 
 def verify_inputs(tree: Tree, start_pos: torch.Tensor | int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Batched tree [B, N] -> (ids [B, N], positions [B, N], tree_mask [B, N, N] bool) for the
-    target forward. The target writes node i's KV to slot start + i; the mask (the ancestor mask)
-    lets node i see only its ancestors and itself (the committed prefix before `start` is always
-    visible, see model.MLA)."""
+    """Batched tree [B, N] -> the target's input: ids [B, N], positions start + depth [B, N], and
+    tree_mask = the ancestor mask [B, N, N] (node i's KV goes to slot start + i; it sees the
+    committed prefix, its ancestors and itself)."""
     start = torch.as_tensor(start_pos, device=tree.tokens.device).view(-1, 1)  # [B, 1]
     return tree.tokens, start + tree.depths, tree.ancestor_mask
 
@@ -78,10 +77,9 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0,
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of logits [..., V] (fp32): argmax at temperature 0, else a sample from
-    sampling_probs. No host synchronisation: the sample is argmax(p / E) with E ~ Exponential(1),
-    which is distributed as p (the exponential-race trick).
-    A row with a NaN or a +inf logit, only -inf, or logits / T past float32 has no token: NO_TOKEN.
-    A tree's path ends at such a node (accept), and the decoding loop stops there with an error."""
+    sampling_probs with no host sync: argmax(p / E), E ~ Exponential(1), is distributed as p. A row
+    with a NaN or +inf logit, only -inf, or logits / T past fp32 has no token: NO_TOKEN (the
+    tree's path ends there, and the decoding loop stops with an error)."""
     if temperature <= 0:
         top, tok = logits.max(dim=-1)     # one pass: argmax (first of ties), max (NaN if any is)
         return torch.where(top.isfinite(), tok, NO_TOKEN)
@@ -94,11 +92,9 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
 @kernels.fast
 def accept(tree: Tree,
            target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The longest root-to-node path whose every token is the target's token after its parent.
-    tree [B, N]; target_tokens [B, N]: the target's token after each node. Returns accepted [B, N]
-    (the path's nodes, root first; past accept_len the last one repeats), accept_len [B] (its
-    nodes incl. the root = the tokens this step commits, bonus included), bonus [B] (the target's
-    token after the path)."""
+    """The longest root-to-node path whose every token is the target's token after its parent:
+    tree [B, N], target_tokens [B, N] -> accepted [B, N] (the path, root first, its last node
+    repeated), accept_len [B] (its nodes = tokens committed, bonus included), bonus [B]."""
     B, N = tree.tokens.shape
     parent_target = target_tokens.gather(1, tree.parents.clamp(min=0))              # [B, N]
     match = (tree.tokens == parent_target) & tree.valid                             # [B, N]
@@ -118,10 +114,9 @@ def accept(tree: Tree,
 @kernels.fast
 def commit_kv(kv_cache: torch.Tensor, start_pos: torch.Tensor | int, accepted: torch.Tensor,
               accept_len: torch.Tensor) -> None:
-    """Move the accepted path's KV from slots start + node to start + [0, accept_len), in every
-    layer: kv_cache [n_layers, Bmax, S, C], start_pos int or [B], accepted [B, N], accept_len [B].
-    No recompute: each path node sat at position start + depth, the slot it moves to, and saw only
-    its ancestors. Slots past accept_len copy onto themselves (fixed shapes)."""
+    """The accepted path's KV from slots start + node to start + [0, accept_len), every layer at
+    once (kv_cache [n_layers, Bmax, S, C]). No recompute: node i sat at position start + depth_i,
+    its new slot, and saw only its ancestors. Slots past accept_len copy onto themselves."""
     B, N = accepted.shape
     start = torch.as_tensor(start_pos, device=accepted.device).view(-1, 1).expand(B, 1)  # [B, 1]
     j = torch.arange(N, device=accepted.device)                                           # [N]
