@@ -96,6 +96,39 @@ def _row_warps(block: int) -> int:
     return min(8, max(1, block // 512))
 
 
+# Programmatic dependent launch (PDL, Hopper and later): a kernel launched with launch_pdl may start while the kernel
+# before it in the stream still runs, so its launch and its prologue (index math, an L2 prefetch of its weights)
+# overlap that kernel's tail. Each such kernel calls _gdc first: it lets the next kernel launch, then waits until
+# the previous one has finished and its writes are visible, before it reads or writes anything a predecessor
+# touches. A CUDA graph keeps these edges. The interpreter and older GPUs launch plainly (PDL=False: no-ops).
+USE_PDL = True
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_ok(device) -> bool:
+    return (HAS_TRITON and not INTERPRETED and device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait"))
+
+
+def _pdl(device) -> dict:
+    """The launch arguments of a kernel that calls _gdc(PDL)."""
+    return dict(PDL=True, launch_pdl=True) if USE_PDL and _pdl_ok(torch.device(device)) else dict(PDL=False)
+
+
+@triton.jit
+def _gdc(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _prefetch_rows(rows, nbytes):
+    # one bulk L2 prefetch per row pointer: bytes [rows, rows + nbytes), 16-byte aligned, nbytes a multiple of 16
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r",
+                              [rows.to(tl.int64), nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 0. Host paths: on the CPU, outside torch.compile, a host read is free, so the attention references get only the
 # slots that can be visible (the committed prefix, the new tree or block), not the whole fixed-size cache.
@@ -153,7 +186,8 @@ def _partner(cols, P: tl.constexpr, INTERLEAVED: tl.constexpr):
 # rms_norm: y = weight * x / sqrt(mean(x^2) + eps) per row, fp32 statistics. Grid: one program per row. One launch
 # instead of 7-8. EPS is a constexpr, so it stays fp32. Reference: model.rms_norm.
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_row, N, EPS: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_row, N, EPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _gdc(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -170,14 +204,16 @@ def rms_norm(x, weight, eps):
     if rows.shape[0]:                            # e.g. no new context rows for the drafter this step
         BLOCK = triton.next_power_of_2(N)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), N, EPS=float(eps), BLOCK=BLOCK,
-                                           num_warps=_row_warps(BLOCK))
+                                           num_warps=_row_warps(BLOCK), **_pdl(x.device))
     return out
 
 
 # add_rms_norm: (s, y) = (x + r, rms_norm(x + r)), the residual add and the next norm (r: an MLP's output, an MoE's
 # in fp32, rounded to x's dtype first). Grid: one program per row. One read of x and r. Reference: model.add_rms_norm.
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, N, EPS: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, N, EPS: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    _gdc(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -199,7 +235,8 @@ def add_rms_norm(x, r, weight, eps):
     n_rows = x.numel() // N if N else 0
     if n_rows:
         BLOCK = triton.next_power_of_2(N)
-        _add_rms_norm_kernel[(n_rows,)](x, r, weight, s, y, N, EPS=float(eps), BLOCK=BLOCK, num_warps=_row_warps(BLOCK))
+        _add_rms_norm_kernel[(n_rows,)](x, r, weight, s, y, N, EPS=float(eps), BLOCK=BLOCK, num_warps=_row_warps(BLOCK),
+                                        **_pdl(x.device))
     return s, y
 
 
@@ -207,8 +244,9 @@ def add_rms_norm(x, r, weight, eps):
 # (token, block of ROPE_BLOCK_H heads). Reads x in place (e.g. the q_pe slice of q). Reference: model.rope.
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, sx_b, sx_t, sx_h, sc_b, sc_t,
-                 P: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
+                 P: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr):
     # token n = (b, t), BLOCK_H of its H heads x P rope columns; y is contiguous [B, T, H, P]
+    _gdc(PDL)
     n = tl.program_id(0).to(tl.int64)
     b, t = n // T, n % T
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
@@ -236,14 +274,15 @@ def rope(x, cos, sin, interleaved=True):
         H = x4.shape[2]
         BLOCK_H = min(ROPE_BLOCK_H, triton.next_power_of_2(H))
         _rope_kernel[(B * T, triton.cdiv(H, BLOCK_H))](x4, cos, sin, y, T, H, *x4.stride()[:3], *cos.stride()[:2], P=P,
-                                                      BLOCK_H=BLOCK_H, INTERLEAVED=interleaved)
+                                                      BLOCK_H=BLOCK_H, INTERLEAVED=interleaved, **_pdl(x.device))
     return y
 
 
 # silu_mul: SwiGLU's silu(g) * u, each op's rounding kept. Grid: (row, block of columns). Reads g and u in place
 # (the two halves of one gate|up GEMM output). Reference: model.silu_mul.
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _gdc(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -262,7 +301,8 @@ def silu_mul(g, u):
     y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     if g.numel():
         BLOCK = min(1024, triton.next_power_of_2(N))
-        _silu_mul_kernel[(g2.shape[0], triton.cdiv(N, BLOCK))](g2, u2, y, N, g2.stride(0), u2.stride(0), BLOCK=BLOCK)
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(N, BLOCK))](g2, u2, y, N, g2.stride(0), u2.stride(0), BLOCK=BLOCK,
+                                                                **_pdl(g.device))
     return y
 
 
@@ -271,7 +311,8 @@ def silu_mul(g, u):
 # cat and scatter. Reference: model.mla_latent_to_cache.
 @triton.jit
 def _mla_latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, slots_ptr, cache_ptr, T, stride_kv, stride_cb, stride_cs,
-                       R: tl.constexpr, P: tl.constexpr, EPS: tl.constexpr):
+                       R: tl.constexpr, P: tl.constexpr, EPS: tl.constexpr, PDL: tl.constexpr):
+    _gdc(PDL)
     n = tl.program_id(0).to(tl.int64)
     dst = cache_ptr + (n // T) * stride_cb + tl.load(slots_ptr + n) * stride_cs
     src = kv_ptr + n * stride_kv
@@ -293,46 +334,65 @@ def mla_latent_to_cache(kv, weight, eps, cos, sin, cache, slots):
     if B * T:
         _mla_latent_kernel[(B * T,)](rows, weight.contiguous(), cos.contiguous(), sin.contiguous(), slots.contiguous(),
                                      cache, T, rows.stride(0), cache.stride(0), cache.stride(1), R=R, P=C - R,
-                                     EPS=float(eps), num_warps=_row_warps(R))
+                                     EPS=float(eps), num_warps=_row_warps(R), **_pdl(kv.device))
 
 
 # The projections of a decode / verify step (model.linear: every Linear): y = x W^T for M <= SKINNY_MAX_M rows, W
 # [N, K] streamed once. cuBLAS runs a split-K GEMM and a separate reduce at these shapes; here program (n block,
-# split) multiplies its [BLOCK_N, K / SPLIT] slice of W by all M rows (one tl.dot tile of BLOCK_M rows), and the last
-# split of an n block to finish sums the splits in order (the same bits every run; for a row, whatever the other
-# rows of its tile). One launch.
+# split) multiplies its [BLOCK_N, K / SPLIT] slice of W by all M rows (one tl.dot tile of BLOCK_M rows; SWAP: W as
+# the tile's rows, x^T as its columns), and the last split of an n block to finish sums the splits in order (the
+# same bits every run; for a row, whatever the other rows of its tile). One launch. PREFETCH (Hopper): each program
+# first asks for its whole slice of W into L2, so all of W is requested at once (and, under PDL, while the kernel
+# before it still runs); the tiles then come from L2.
 
 SKINNY_MAX_M = 64
-SKINNY = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, max_split=8, waves=2)
+SKINNY = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, max_split=8, waves=2, swap=False, prefetch=True)
 SKINNY_MAX_BLOCKS = 4096      # n blocks with a counter each
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, part_ptr, y_ptr, count_ptr, M, N, K, K_SPLIT, stride_x, SPLIT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                   SWAP: tl.constexpr, PREFETCH: tl.constexpr, W_BYTES: tl.constexpr, PDL: tl.constexpr):
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
+    k_lo = split * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    if PREFETCH:                                                  # W: no kernel before this one writes it
+        _prefetch_rows(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * K + k_lo, (k_hi - k_lo) * W_BYTES)
+    _gdc(PDL)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_x + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
                     other=0.0)
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :], mask=n_mask[:, None] & (k < K)[None, :],
                     other=0.0)
-        if IEEE:      # fp32 (the interpreter's tests): not tf32
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        if SWAP:
+            a, b = w, tl.trans(x)
         else:
-            acc = tl.dot(x, tl.trans(w), acc)                                               # [BLOCK_M, BLOCK_N]
-    tile = offs_m[:, None] * N + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
+            a, b = x, tl.trans(w)
+        if IEEE:      # fp32 (the interpreter's tests): not tf32
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)                                     # [BLOCK_M, BLOCK_N] (SWAP: transposed)
+    if SWAP:
+        tile = offs_n[:, None] + offs_m[None, :] * N
+        mask = n_mask[:, None] & m_mask[None, :]
+    else:
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT == 1:
         tl.store(y_ptr + tile, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptr + split * M * N + tile, acc, mask=mask)
         if _last_to_arrive(count_ptr + pid_n, SPLIT):
-            y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            y = tl.zeros(acc.shape, dtype=tl.float32)
             for s in tl.static_range(SPLIT):                                 # in split order: the same bits each run
                 y += tl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + tile, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -358,9 +418,13 @@ def linear(x, weight):
     split = triton.cdiv(K, k_split)                                     # no empty slice
     part = _empty((split, M, N), torch.float32, x.device) if split > 1 else y
     cfg = {k: SKINNY[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
+    w_bytes = weight.element_size()
+    prefetch = (SKINNY["prefetch"] and _pdl_ok(x.device) and weight.data_ptr() % 16 == 0
+                and K * w_bytes % 16 == 0)                              # bulk copies: 16-byte aligned rows
     _skinny_kernel[(triton.cdiv(N, SKINNY["BLOCK_N"]), split)](
         x2, weight, part, y, _stream_counters(x.device), M, N, K, k_split, x2.stride(0), SPLIT=split,
-        BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32, **cfg)
+        BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32, SWAP=SKINNY["swap"],
+        PREFETCH=prefetch, W_BYTES=w_bytes, **cfg, **_pdl(x.device))
     return y
 
 
@@ -530,6 +594,7 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale,
 
 ROUTER_MAX_T = 64       # more tokens (prefill): F.linear, where cuBLAS's tiles are full, then _route_kernel
 ROUTER_BLOCKS = dict(BLOCK_E=32, BLOCK_D=64, num_warps=4, num_stages=3)
+ROUTER_PREFETCH = True  # Hopper: the weight slice into L2 first (see the skinny GEMM)
 
 
 @triton.jit
@@ -554,7 +619,8 @@ def _last_to_arrive(counter_ptr, n):
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, count_ptr, pair_ids_ptr, slots_ptr, N, E, N_SLOTS,
                   K: tl.constexpr, K_POW2: tl.constexpr, NORM: tl.constexpr, SCALE: tl.constexpr,
                   E_POW2: tl.constexpr, SORT: tl.constexpr, P_POW2: tl.constexpr, BINS: tl.constexpr,
-                  S_POW2: tl.constexpr):
+                  S_POW2: tl.constexpr, PDL: tl.constexpr):
+    _gdc(PDL)
     # program t = token: top-K of sigmoid(logits) + bias by K rounds of one max over int64 keys (the choice's order
     # bits, then the lower id on ties); weights = the chosen scores (without the bias), renormalized, scaled.
     # SORT: the last program to finish sorts every token's pairs by expert.
@@ -582,7 +648,8 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, count_ptr, pair_ids_ptr,
 
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, count_ptr, N, E, D, D_SPLIT, N_SPLIT: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BF16: tl.constexpr):
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BF16: tl.constexpr,
+                   PREFETCH: tl.constexpr, PDL: tl.constexpr):
     # Program (e block, split): partial logits over columns split*D_SPLIT.. of D -> part[split, t, e], all N tokens;
     # the block's last program to finish sums its N_SPLIT partials -> logits[t, e].
     # SPLIT_BF16 (GPU): each operand as hi + lo bf16 and three tensor-core dots with fp32 accumulation (lo x lo is
@@ -593,8 +660,13 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, count_ptr, N, E, D, D_SPL
     offs_t = tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     e_mask, t_mask = offs_e < E, offs_t < N
+    d_lo = split * D_SPLIT
+    d_hi = tl.minimum(d_lo + D_SPLIT, D)
+    if PREFETCH:                                                  # its slice of the weight into L2 (skinny GEMM's)
+        _prefetch_rows(w_ptr + tl.minimum(offs_e, E - 1).to(tl.int64) * D + d_lo, (d_hi - d_lo) * 4)
+    _gdc(PDL)
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    for d0 in range(split * D_SPLIT, tl.minimum(split * D_SPLIT + D_SPLIT, D), BLOCK_D):
+    for d0 in range(d_lo, d_hi, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         d_mask = d < D
         x = tl.load(x_ptr + offs_t[:, None] * D + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0)
@@ -647,7 +719,8 @@ def _route_launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bo
         _route_kernel[(N,)](logits, bias, w, ids, _counters(logits.device)[-1:], pair_ids, slots, N, E, slots.shape[0],
                             K=top_k, K_POW2=triton.next_power_of_2(top_k), NORM=norm, SCALE=float(scale),
                             E_POW2=triton.next_power_of_2(E), SORT=sort, P_POW2=triton.next_power_of_2(P),
-                            BINS=triton.next_power_of_2(E + 1), S_POW2=triton.next_power_of_2(max(slots.shape[0], 1)))
+                            BINS=triton.next_power_of_2(E + 1), S_POW2=triton.next_power_of_2(max(slots.shape[0], 1)),
+                            **_pdl(logits.device))
     if sort:
         ids.moe_pairs = (pair_ids, slots)
     return w, ids
@@ -673,7 +746,9 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
     part = _empty((n_split, N, E), torch.float32, x.device)                 # [splits, N, E] partial logits
     logits = _empty((N, E), torch.float32, x.device)
     _router_kernel[(n_eb, n_split)](x, weight, part, logits, _counters(x.device), N, E, D, d_split,
-                                    N_SPLIT=n_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED, **cfg)
+                                    N_SPLIT=n_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED,
+                                    PREFETCH=ROUTER_PREFETCH and _pdl_ok(x.device) and D % 4 == 0, **cfg,
+                                    **_pdl(x.device))
     return _route_launch(logits, bias, top_k, norm, scale, sort=N * top_k <= MOE_SORT_MAX_PAIRS)
 
 
@@ -858,10 +933,11 @@ def _prep_values(src_ptr, row, P, N, SPLIT_K, cols, mask, SWIGLU: tl.constexpr):
 
 @triton.jit
 def _moe_prep_f16(src_ptr, xk_ptr, xs_ptr, P, N, SPLIT_K,
-                  SWIGLU: tl.constexpr, N_POW2: tl.constexpr, BLOCK_W: tl.constexpr):
+                  SWIGLU: tl.constexpr, N_POW2: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
     # Program (row, block): words block*BLOCK_W.. of one activation row of N -> xk[row] [4, N/8] int32 f16x2 planes
     # (plane p, word w = (x[8w+p], x[8w+p+4])), scaled by 2^-e with e = floor(log2 max |x|); xs[row] = 2^e. Every
     # program of a row reads the whole row for the max (a few KB, from L2): one parallel pass, not a serial one.
+    _gdc(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, N_POW2)
     m = tl.max(tl.abs(_prep_values(src_ptr, row, P, N, SPLIT_K, cols, cols < N, SWIGLU)), 0)
@@ -885,16 +961,18 @@ def _prep_f16(src, rows: int, N: int, split_k: int, swiglu: bool):
     xs = _empty((rows,), torch.float32, src.device)
     block_w = 128
     _moe_prep_f16[(rows, triton.cdiv(N // 8, block_w))](src, xk, xs, rows, N, split_k, SWIGLU=swiglu,
-                                                         N_POW2=triton.next_power_of_2(N), BLOCK_W=block_w)
+                                                         N_POW2=triton.next_power_of_2(N), BLOCK_W=block_w,
+                                                         **_pdl(src.device))
     return xk, xs
 
 @triton.jit
 def _moe_gate_up_gemv(xk_ptr, xs_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, slots_ptr, I, K, P, DW, DG,
                       GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                      PTX: tl.constexpr, EVEN: tl.constexpr):
+                      PTX: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     # Program (slot, pid_n, split): rows pid_n*BLOCK_N.. of gate and of up of the slot-th used expert over the split-th
     # slice of D, for each of its pairs in turn (the repeats from L2) -> gu[split, pair] (gate 0..I-1, up I..2I-1).
     # DW = D/8 and DG = D/group are arguments (not D // 8 here) so the compiler sees them divisible by 16.
+    _gdc(PDL)
     e, start, count = _load_slot(slots_ptr)
     if count == 0:
         return
@@ -927,9 +1005,10 @@ def _moe_gate_up_gemv(xk_ptr, xs_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, slots_ptr,
 @triton.jit
 def _moe_down_gemv(hk_ptr, hs_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, slots_ptr, D, IW, IG,
                    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PTX: tl.constexpr,
-                   EVEN: tl.constexpr):
+                   EVEN: tl.constexpr, PDL: tl.constexpr):
     # Program (slot, pid_n): output columns pid_n*BLOCK_N.. of down_proj for the slot-th used expert's pairs, times
     # each pair's routing weight -> y[pair]
+    _gdc(PDL)
     e, start, count = _load_slot(slots_ptr)
     if count == 0:
         return
@@ -1049,13 +1128,15 @@ def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group
     gu = _empty((split_k, P, 2 * I), torch.float32, x.device)
     _moe_gate_up_gemv[(n_slots, n_blocks, split_k)](
         xk, xs, w13_packed, w13_scale, gu, pair_ids, slots, I, K, P, D // 8, D // group_size,
-        GROUP=group_size, SPLIT_K=split_k, PTX=MOE_PTX, EVEN=_even(I, D // 8, cfg), **cfg)
+        GROUP=group_size, SPLIT_K=split_k, PTX=MOE_PTX, EVEN=_even(I, D // 8, cfg), **cfg,
+        **_pdl(x.device))
     hk, hs = _prep_f16(gu, P, I, split_k, swiglu=True)                      # h = SwiGLU, packed the same way
     cfg = dict(MOE_GEMV_BLOCKS["down"])
     cfg["BLOCK_W"] = min(cfg["BLOCK_W"], triton.next_power_of_2(I // 8))   # no wider than a row (TP8: 32 words)
     _moe_down_gemv[(n_slots, triton.cdiv(D, cfg["BLOCK_N"]))](
         hk, hs, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I // 8, I // group_size,
-        GROUP=group_size, PTX=MOE_PTX, EVEN=_even(D, I // 8, cfg), **cfg)
+        GROUP=group_size, PTX=MOE_PTX, EVEN=_even(D, I // 8, cfg), **cfg,
+        **_pdl(x.device))
 
 
 def _moe_dot(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y):
@@ -1126,7 +1207,9 @@ def _moe_sort(topk_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 @triton.jit
-def _moe_sum_kernel(y_ptr, shared_ptr, out_ptr, D, K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+def _moe_sum_kernel(y_ptr, shared_ptr, out_ptr, D, K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+    _gdc(PDL)
     # program (token t, column block): out[t] = sum over k of y[t, k] (the pairs' weighted outputs), + shared[t]
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -1194,7 +1277,7 @@ def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
     if T:
         BLOCK = 256                                                          # enough programs for T = 9 x 7168
         _moe_sum_kernel[(T, triton.cdiv(D, BLOCK))](y, y if shared is None else shared_out, out, D, K=K,
-                                                    HAS_SHARED=shared is not None, BLOCK=BLOCK)
+                                                    HAS_SHARED=shared is not None, BLOCK=BLOCK, **_pdl(x.device))
     return out
 
 
