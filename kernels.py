@@ -115,6 +115,16 @@ def _pdl(device) -> dict:
     return dict(PDL=True, launch_pdl=True) if USE_PDL and _pdl_ok(torch.device(device)) else dict(PDL=False)
 
 
+def _prefetchable(w: torch.Tensor) -> bool:
+    # bulk L2 prefetch (Hopper, as PDL): rows of whole 16-byte units from a 16-byte aligned start, slices of 8 columns
+    return (_pdl_ok(w.device) and w.data_ptr() % 16 == 0 and w.shape[-1] % 8 == 0
+            and w.shape[-1] * w.element_size() % 16 == 0)
+
+
+def _chunks(cfg: dict) -> int:
+    return max(1, 32 * cfg["num_warps"] // cfg.get("BLOCK_N", cfg.get("BLOCK_E", 1)))
+
+
 @triton.jit
 def _gdc(PDL: tl.constexpr):
     if PDL:
@@ -123,10 +133,17 @@ def _gdc(PDL: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows(rows, nbytes):
-    # one bulk L2 prefetch per row pointer: bytes [rows, rows + nbytes), 16-byte aligned, nbytes a multiple of 16
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r",
-                              [rows.to(tl.int64), nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+def _prefetch(w_ptr, row0, n_rows, row_len, c_lo, c_hi, ELT: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr):
+    # rows row0.. row0+ROWS-1 (< n_rows) x columns [c_lo, c_hi) of a row-major matrix into L2: ROWS * CHUNKS bulk
+    # prefetches (one a thread), each a multiple of 16 bytes from a 16-byte boundary (rows and c_lo: 8 elements)
+    c = tl.arange(0, ROWS * CHUNKS)
+    row = tl.minimum(row0 + c // CHUNKS, n_rows - 1)
+    chunk = tl.cdiv(tl.cdiv(c_hi - c_lo, CHUNKS), 8) * 8
+    lo = c_lo + (c % CHUNKS) * chunk
+    size = tl.maximum(tl.minimum(chunk, c_hi - lo), 0) * ELT
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
+                              "mov.u32 $0, 0; }", "=r,l,r", [(w_ptr + row.to(tl.int64) * row_len + lo).to(tl.int64),
+                              size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -353,7 +370,7 @@ SKINNY_MAX_BLOCKS = 4096      # n blocks with a counter each
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, part_ptr, y_ptr, count_ptr, M, N, K, K_SPLIT, stride_x, SPLIT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                   SWAP: tl.constexpr, PREFETCH: tl.constexpr, W_BYTES: tl.constexpr, PDL: tl.constexpr):
+                   SWAP: tl.constexpr, PREFETCH: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -361,7 +378,8 @@ def _skinny_kernel(x_ptr, w_ptr, part_ptr, y_ptr, count_ptr, M, N, K, K_SPLIT, s
     k_lo = split * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     if PREFETCH:                                                  # W: no kernel before this one writes it
-        _prefetch_rows(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * K + k_lo, (k_hi - k_lo) * W_BYTES)
+        _prefetch(w_ptr, pid_n * BLOCK_N, N, K, k_lo, k_hi, w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N,
+                  CHUNKS)
     _gdc(PDL)
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -418,13 +436,11 @@ def linear(x, weight):
     split = triton.cdiv(K, k_split)                                     # no empty slice
     part = _empty((split, M, N), torch.float32, x.device) if split > 1 else y
     cfg = {k: SKINNY[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
-    w_bytes = weight.element_size()
-    prefetch = (SKINNY["prefetch"] and _pdl_ok(x.device) and weight.data_ptr() % 16 == 0
-                and K * w_bytes % 16 == 0)                              # bulk copies: 16-byte aligned rows
+    prefetch = SKINNY["prefetch"] and _prefetchable(weight)
     _skinny_kernel[(triton.cdiv(N, SKINNY["BLOCK_N"]), split)](
         x2, weight, part, y, _stream_counters(x.device), M, N, K, k_split, x2.stride(0), SPLIT=split,
         BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32, SWAP=SKINNY["swap"],
-        PREFETCH=prefetch, W_BYTES=w_bytes, **cfg, **_pdl(x.device))
+        PREFETCH=prefetch, CHUNKS=_chunks(SKINNY), **cfg, **_pdl(x.device))
     return y
 
 
@@ -649,7 +665,7 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, count_ptr, pair_ids_ptr,
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, count_ptr, N, E, D, D_SPLIT, N_SPLIT: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BF16: tl.constexpr,
-                   PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                   PREFETCH: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
     # Program (e block, split): partial logits over columns split*D_SPLIT.. of D -> part[split, t, e], all N tokens;
     # the block's last program to finish sums its N_SPLIT partials -> logits[t, e].
     # SPLIT_BF16 (GPU): each operand as hi + lo bf16 and three tensor-core dots with fp32 accumulation (lo x lo is
@@ -663,7 +679,7 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, count_ptr, N, E, D, D_SPL
     d_lo = split * D_SPLIT
     d_hi = tl.minimum(d_lo + D_SPLIT, D)
     if PREFETCH:                                                  # its slice of the weight into L2 (skinny GEMM's)
-        _prefetch_rows(w_ptr + tl.minimum(offs_e, E - 1).to(tl.int64) * D + d_lo, (d_hi - d_lo) * 4)
+        _prefetch(w_ptr, tl.program_id(0) * BLOCK_E, E, D, d_lo, d_hi, 4, BLOCK_E, CHUNKS)
     _gdc(PDL)
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     for d0 in range(d_lo, d_hi, BLOCK_D):
@@ -747,7 +763,7 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
     logits = _empty((N, E), torch.float32, x.device)
     _router_kernel[(n_eb, n_split)](x, weight, part, logits, _counters(x.device), N, E, D, d_split,
                                     N_SPLIT=n_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED,
-                                    PREFETCH=ROUTER_PREFETCH and _pdl_ok(x.device) and D % 4 == 0, **cfg,
+                                    PREFETCH=ROUTER_PREFETCH and _prefetchable(weight), CHUNKS=_chunks(cfg), **cfg,
                                     **_pdl(x.device))
     return _route_launch(logits, bias, top_k, norm, scale, sort=N * top_k <= MOE_SORT_MAX_PAIRS)
 
