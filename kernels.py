@@ -97,10 +97,10 @@ def _row_warps(block: int) -> int:
 
 
 # Programmatic dependent launch (PDL, Hopper and later): a kernel launched with launch_pdl may start while the kernel
-# before it in the stream still runs, so its launch and its prologue (index math, an L2 prefetch of its weights)
-# overlap that kernel's tail. Each such kernel calls _gdc first: it lets the next kernel launch, then waits until
-# the previous one has finished and its writes are visible, before it reads or writes anything a predecessor
-# touches. A CUDA graph keeps these edges. The interpreter and older GPUs launch plainly (PDL=False: no-ops).
+# before it in the stream still runs, so its launch overlaps that kernel's tail. Each such kernel calls _gdc first:
+# it lets the next kernel launch, then waits until the previous one has finished and its writes are visible, before
+# it reads or writes anything a predecessor touches (so the order of every read and write stays the stream's). A
+# CUDA graph keeps these edges. The interpreter and older GPUs launch plainly (PDL=False: _gdc is a no-op).
 USE_PDL = True
 
 
@@ -115,35 +115,11 @@ def _pdl(device) -> dict:
     return dict(PDL=True, launch_pdl=True) if USE_PDL and _pdl_ok(torch.device(device)) else dict(PDL=False)
 
 
-def _prefetchable(w: torch.Tensor) -> bool:
-    # bulk L2 prefetch (Hopper, as PDL): rows of whole 16-byte units from a 16-byte aligned start, slices of 8 columns
-    return (_pdl_ok(w.device) and w.data_ptr() % 16 == 0 and w.shape[-1] % 8 == 0
-            and w.shape[-1] * w.element_size() % 16 == 0)
-
-
-def _chunks(cfg: dict) -> int:
-    return max(1, 32 * cfg["num_warps"] // cfg.get("BLOCK_N", cfg.get("BLOCK_E", 1)))
-
-
 @triton.jit
 def _gdc(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def _prefetch(w_ptr, row0, n_rows, row_len, c_lo, c_hi, ELT: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr):
-    # rows row0.. row0+ROWS-1 (< n_rows) x columns [c_lo, c_hi) of a row-major matrix into L2: ROWS * CHUNKS bulk
-    # prefetches (one a thread), each a multiple of 16 bytes from a 16-byte boundary (rows and c_lo: 8 elements)
-    c = tl.arange(0, ROWS * CHUNKS)
-    row = tl.minimum(row0 + c // CHUNKS, n_rows - 1)
-    chunk = tl.cdiv(tl.cdiv(c_hi - c_lo, CHUNKS), 8) * 8
-    lo = c_lo + (c % CHUNKS) * chunk
-    size = tl.maximum(tl.minimum(chunk, c_hi - lo), 0) * ELT
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-                              "mov.u32 $0, 0; }", "=r,l,r", [(w_ptr + row.to(tl.int64) * row_len + lo).to(tl.int64),
-                              size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -356,61 +332,43 @@ def mla_latent_to_cache(kv, weight, eps, cos, sin, cache, slots):
 
 # The projections of a decode / verify step (model.linear: every Linear): y = x W^T for M <= SKINNY_MAX_M rows, W
 # [N, K] streamed once. cuBLAS runs a split-K GEMM and a separate reduce at these shapes; here program (n block,
-# split) multiplies its [BLOCK_N, K / SPLIT] slice of W by all M rows (one tl.dot tile of BLOCK_M rows; SWAP: W as
-# the tile's rows, x^T as its columns), and the last split of an n block to finish sums the splits in order (the
-# same bits every run; for a row, whatever the other rows of its tile). One launch. PREFETCH (Hopper): each program
-# first asks for its whole slice of W into L2, so all of W is requested at once (and, under PDL, while the kernel
-# before it still runs); the tiles then come from L2.
+# split) multiplies its [BLOCK_N, K / SPLIT] slice of W by all M rows (one tl.dot tile: W's BLOCK_N rows as its
+# rows and x^T as its BLOCK_M columns: Hopper's wgmma), and the last split of an n block to finish sums the splits
+# in order (the same bits every run; for a row, whatever the other rows of its tile). One launch.
 
 SKINNY_MAX_M = 64
-SKINNY = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, max_split=8, waves=2, swap=False, prefetch=True)
+SKINNY = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, max_split=8, waves=2)
 SKINNY_MAX_BLOCKS = 4096      # n blocks with a counter each
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, part_ptr, y_ptr, count_ptr, M, N, K, K_SPLIT, stride_x, SPLIT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                   SWAP: tl.constexpr, PREFETCH: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                   PDL: tl.constexpr):
+    _gdc(PDL)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
-    k_lo = split * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    if PREFETCH:                                                  # W: no kernel before this one writes it
-        _prefetch(w_ptr, pid_n * BLOCK_N, N, K, k_lo, k_hi, w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N,
-                  CHUNKS)
-    _gdc(PDL)
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_x + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
                     other=0.0)
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :], mask=n_mask[:, None] & (k < K)[None, :],
                     other=0.0)
-        if SWAP:
-            a, b = w, tl.trans(x)
-        else:
-            a, b = x, tl.trans(w)
         if IEEE:      # fp32 (the interpreter's tests): not tf32
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
         else:
-            acc = tl.dot(a, b, acc)                                     # [BLOCK_M, BLOCK_N] (SWAP: transposed)
-    if SWAP:
-        tile = offs_n[:, None] + offs_m[None, :] * N
-        mask = n_mask[:, None] & m_mask[None, :]
-    else:
-        tile = offs_m[:, None] * N + offs_n[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
+            acc = tl.dot(w, tl.trans(x), acc)                                               # [BLOCK_N, BLOCK_M]
+    tile = offs_n[:, None] + offs_m[None, :] * N                                            # y[m, n]
+    mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT == 1:
         tl.store(y_ptr + tile, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptr + split * M * N + tile, acc, mask=mask)
         if _last_to_arrive(count_ptr + pid_n, SPLIT):
-            y = tl.zeros(acc.shape, dtype=tl.float32)
+            y = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT):                                 # in split order: the same bits each run
                 y += tl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + tile, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -436,11 +394,9 @@ def linear(x, weight):
     split = triton.cdiv(K, k_split)                                     # no empty slice
     part = _empty((split, M, N), torch.float32, x.device) if split > 1 else y
     cfg = {k: SKINNY[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
-    prefetch = SKINNY["prefetch"] and _prefetchable(weight)
     _skinny_kernel[(triton.cdiv(N, SKINNY["BLOCK_N"]), split)](
         x2, weight, part, y, _stream_counters(x.device), M, N, K, k_split, x2.stride(0), SPLIT=split,
-        BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32, SWAP=SKINNY["swap"],
-        PREFETCH=prefetch, CHUNKS=_chunks(SKINNY), **cfg, **_pdl(x.device))
+        BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32, **cfg, **_pdl(x.device))
     return y
 
 
@@ -610,7 +566,6 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale,
 
 ROUTER_MAX_T = 64       # more tokens (prefill): F.linear, where cuBLAS's tiles are full, then _route_kernel
 ROUTER_BLOCKS = dict(BLOCK_E=32, BLOCK_D=64, num_warps=4, num_stages=3)
-ROUTER_PREFETCH = True  # Hopper: the weight slice into L2 first (see the skinny GEMM)
 
 
 @triton.jit
@@ -665,7 +620,7 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, count_ptr, pair_ids_ptr,
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, count_ptr, N, E, D, D_SPLIT, N_SPLIT: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BF16: tl.constexpr,
-                   PREFETCH: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                   PDL: tl.constexpr):
     # Program (e block, split): partial logits over columns split*D_SPLIT.. of D -> part[split, t, e], all N tokens;
     # the block's last program to finish sums its N_SPLIT partials -> logits[t, e].
     # SPLIT_BF16 (GPU): each operand as hi + lo bf16 and three tensor-core dots with fp32 accumulation (lo x lo is
@@ -676,13 +631,9 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, count_ptr, N, E, D, D_SPL
     offs_t = tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     e_mask, t_mask = offs_e < E, offs_t < N
-    d_lo = split * D_SPLIT
-    d_hi = tl.minimum(d_lo + D_SPLIT, D)
-    if PREFETCH:                                                  # its slice of the weight into L2 (skinny GEMM's)
-        _prefetch(w_ptr, tl.program_id(0) * BLOCK_E, E, D, d_lo, d_hi, 4, BLOCK_E, CHUNKS)
     _gdc(PDL)
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    for d0 in range(d_lo, d_hi, BLOCK_D):
+    for d0 in range(split * D_SPLIT, tl.minimum(split * D_SPLIT + D_SPLIT, D), BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         d_mask = d < D
         x = tl.load(x_ptr + offs_t[:, None] * D + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0)
@@ -763,7 +714,7 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
     logits = _empty((N, E), torch.float32, x.device)
     _router_kernel[(n_eb, n_split)](x, weight, part, logits, _counters(x.device), N, E, D, d_split,
                                     N_SPLIT=n_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED,
-                                    PREFETCH=ROUTER_PREFETCH and _prefetchable(weight), CHUNKS=_chunks(cfg), **cfg,
+                                    **cfg,
                                     **_pdl(x.device))
     return _route_launch(logits, bias, top_k, norm, scale, sort=N * top_k <= MOE_SORT_MAX_PAIRS)
 
