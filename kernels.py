@@ -562,9 +562,11 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale,
 # matmul in programs of BLOCK_E experts x one slice of D (the fp32 weight streamed once; cuBLAS's fp32 GEMM at a few
 # rows is slower), where the last slice of an expert block to finish sums the block's slices in a fixed order (the
 # same bits every run); then one program per token routes it, and the last of them to finish sorts the (token, k)
-# pairs by expert for the routed experts (_sort_pairs), which fused_moe_w4a16 reads instead of sorting them again.
+# pairs by expert for the routed experts (_sort_pairs), which fused_moe_w4a16 reads instead of sorting them again;
+# beside each token's routing program, programs that pack x for the MoE GEMV (_prep_block), which it reads too.
 
 ROUTER_MAX_T = 64       # more tokens (prefill): F.linear, where cuBLAS's tiles are full, then _route_kernel
+ROUTE_PREP = True       # the route launch also packs x for the MoE GEMV (one launch fewer per MoE layer)
 ROUTER_BLOCKS = dict(BLOCK_E=32, BLOCK_D=64, num_warps=4, num_stages=3)
 
 
@@ -588,13 +590,19 @@ def _last_to_arrive(counter_ptr, n):
 
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, count_ptr, pair_ids_ptr, slots_ptr, N, E, N_SLOTS,
-                  K: tl.constexpr, K_POW2: tl.constexpr, NORM: tl.constexpr, SCALE: tl.constexpr,
-                  E_POW2: tl.constexpr, SORT: tl.constexpr, P_POW2: tl.constexpr, BINS: tl.constexpr,
-                  S_POW2: tl.constexpr, PDL: tl.constexpr):
+                  x_ptr, xk_ptr, xs_ptr, D, K: tl.constexpr, K_POW2: tl.constexpr, NORM: tl.constexpr,
+                  SCALE: tl.constexpr, E_POW2: tl.constexpr, SORT: tl.constexpr, P_POW2: tl.constexpr,
+                  BINS: tl.constexpr, S_POW2: tl.constexpr, PREP: tl.constexpr, D_POW2: tl.constexpr,
+                  PREP_W: tl.constexpr, PDL: tl.constexpr):
     _gdc(PDL)
-    # program t = token: top-K of sigmoid(logits) + bias by K rounds of one max over int64 keys (the choice's order
-    # bits, then the lower id on ties); weights = the chosen scores (without the bias), renormalized, scaled.
-    # SORT: the last program to finish sorts every token's pairs by expert.
+    # program (t, 0), t = token: top-K of sigmoid(logits) + bias by K rounds of one max over int64 keys (the choice's
+    # order bits, then the lower id on ties); weights = the chosen scores (without the bias), renormalized, scaled.
+    # SORT: the last program to finish sorts every token's pairs by expert. PREP: program (t, j) also packs block j
+    # of x's row t for the MoE GEMV (_moe_prep_f16's work, in this launch instead of its own).
+    if PREP:
+        _prep_block(x_ptr, xk_ptr, xs_ptr, tl.program_id(0), tl.program_id(1), N, D, 1, False, D_POW2, PREP_W)
+    if tl.program_id(1) > 0:
+        return
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_POW2)
     k = tl.arange(0, K_POW2)
@@ -675,21 +683,29 @@ def _stream_counters(device) -> torch.Tensor:
     return _COUNTERS[key]
 
 
-def _route_launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float, sort: bool):
-    """logits [N, E] fp32 -> (weights, ids); sort: ids.moe_pairs = the pairs sorted by expert (_moe_sort's output)"""
-    N, E = logits.shape
+def _route_launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float, sort: bool,
+                  x: torch.Tensor | None = None):
+    """logits [N, E] fp32 -> (weights, ids); sort: ids.moe_pairs = the pairs sorted by expert (_moe_sort's output);
+    x [N, D] (16-bit): ids.moe_prep = (x, its version, x packed for the MoE GEMV: _prep_f16's output)"""
+    (N, E), D = logits.shape, (x.shape[1] if x is not None else 8)
+    xk, xs = _prep_buffers(N, D, logits.device) if x is not None else (logits, logits)
     w = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
     P = N * top_k
     pair_ids, slots = _empty((P,), torch.int64, logits.device), _empty((min(E, P), 3), torch.int64, logits.device)
     if N:
-        _route_kernel[(N,)](logits, bias, w, ids, _counters(logits.device)[-1:], pair_ids, slots, N, E, slots.shape[0],
-                            K=top_k, K_POW2=triton.next_power_of_2(top_k), NORM=norm, SCALE=float(scale),
-                            E_POW2=triton.next_power_of_2(E), SORT=sort, P_POW2=triton.next_power_of_2(P),
-                            BINS=triton.next_power_of_2(E + 1), S_POW2=triton.next_power_of_2(max(slots.shape[0], 1)),
-                            **_pdl(logits.device))
+        blocks = triton.cdiv(D // 8, PREP_BLOCK_W) if x is not None else 1
+        _route_kernel[(N, blocks)](logits, bias, w, ids, _counters(logits.device)[-1:], pair_ids, slots, N, E,
+                                   slots.shape[0], logits if x is None else x, xk, xs, D, K=top_k,
+                                   K_POW2=triton.next_power_of_2(top_k), NORM=norm, SCALE=float(scale),
+                                   E_POW2=triton.next_power_of_2(E), SORT=sort, P_POW2=triton.next_power_of_2(P),
+                                   BINS=triton.next_power_of_2(E + 1),
+                                   S_POW2=triton.next_power_of_2(max(slots.shape[0], 1)), PREP=x is not None,
+                                   D_POW2=triton.next_power_of_2(D), PREP_W=PREP_BLOCK_W, **_pdl(logits.device))
     if sort:
         ids.moe_pairs = (pair_ids, slots)
+    if x is not None:
+        ids.moe_prep = (x, x._version, xk, xs)
     return w, ids
 
 
@@ -716,7 +732,10 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
                                     N_SPLIT=n_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED,
                                     **cfg,
                                     **_pdl(x.device))
-    return _route_launch(logits, bias, top_k, norm, scale, sort=N * top_k <= MOE_SORT_MAX_PAIRS)
+    prep = (ROUTE_PREP and x.dtype in (torch.float16, torch.bfloat16) and N <= MOE_GEMV_MAX_T and D % 8 == 0
+            and not x.is_inference())
+    return _route_launch(logits, bias, top_k, norm, scale, sort=N * top_k <= MOE_SORT_MAX_PAIRS,
+                         x=x if prep else None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -728,8 +747,9 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
 # chose (a tree's siblings route alike) is read from HBM once, then from L2.
 # Decode / verify (T <= MOE_GEMV_MAX_T, 16-bit activations): a bandwidth-bound GEMV, no tl.dot and no dequantized
 # tile: each int32 word is reduced against its 8 activations where it was loaded (row strides as arguments: 128-bit
-# loads), with Marlin's f16x2 trick in PTX (_DEQUANT_DOT_PTX) on activations packed and scaled by _moe_prep_f16; a
-# run of 4 words (one scale group) is summed in f16x2, converted to fp32 once; no load masks when tiles fit (EVEN).
+# loads), with Marlin's f16x2 trick in PTX (_DEQUANT_DOT_PTX) on activations packed and scaled by _prep_block (x: in
+# the router's route launch where it ran on this x, else in _moe_prep_f16); a run of 4 words (one scale group) is
+# summed in f16x2, converted to fp32 once; no load masks when tiles fit (EVEN).
 # Stage 1 (gate | up) may split D over SPLIT_K programs when few experts are live (TP8 decode); _moe_prep_f16 then
 # sums the slices, applies SwiGLU, packs h for stage 2 (down, x routing weight).
 # Prefill (T > MOE_GEMV_MAX_T) and fp32 activations: tiles of BLOCK_M pairs x BLOCK_N rows dequantized in registers
@@ -901,19 +921,24 @@ def _prep_values(src_ptr, row, P, N, SPLIT_K, cols, mask, SWIGLU: tl.constexpr):
 @triton.jit
 def _moe_prep_f16(src_ptr, xk_ptr, xs_ptr, P, N, SPLIT_K,
                   SWIGLU: tl.constexpr, N_POW2: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    _gdc(PDL)
+    _prep_block(src_ptr, xk_ptr, xs_ptr, tl.program_id(0), tl.program_id(1), P, N, SPLIT_K, SWIGLU, N_POW2, BLOCK_W)
+
+
+@triton.jit
+def _prep_block(src_ptr, xk_ptr, xs_ptr, row, block, P, N, SPLIT_K, SWIGLU: tl.constexpr, N_POW2: tl.constexpr,
+                BLOCK_W: tl.constexpr):
     # Program (row, block): words block*BLOCK_W.. of one activation row of N -> xk[row] [4, N/8] int32 f16x2 planes
     # (plane p, word w = (x[8w+p], x[8w+p+4])), scaled by 2^-e with e = floor(log2 max |x|); xs[row] = 2^e. Every
     # program of a row reads the whole row for the max (a few KB, from L2): one parallel pass, not a serial one.
-    _gdc(PDL)
-    row = tl.program_id(0)
     cols = tl.arange(0, N_POW2)
     m = tl.max(tl.abs(_prep_values(src_ptr, row, P, N, SPLIT_K, cols, cols < N, SWIGLU)), 0)
     e = tl.where(m > 0, tl.floor(tl.log2(tl.where(m > 0, m, 1.0))), 0.0)
-    if tl.program_id(1) == 0:
+    if block == 0:
         tl.store(xs_ptr + row, tl.exp2(e))
     scale = tl.exp2(-e)                                                      # a power of two: exact
     NW = N // 8
-    ww = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    ww = block * BLOCK_W + tl.arange(0, BLOCK_W)
     wm = ww < NW
     for p in tl.static_range(4):
         lo = (_prep_values(src_ptr, row, P, N, SPLIT_K, ww * 8 + p, wm, SWIGLU) * scale).to(tl.float16)
@@ -922,14 +947,19 @@ def _moe_prep_f16(src_ptr, xk_ptr, xs_ptr, P, N, SPLIT_K,
                   | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16))
         tl.store(xk_ptr + row * (4 * NW) + p * NW + ww, packed, mask=wm)
 
+PREP_BLOCK_W = 128     # words of a row per program
+
+
+def _prep_buffers(rows: int, N: int, device):
+    return _empty((rows, 4, N // 8), torch.int32, device), _empty((rows,), torch.float32, device)
+
+
 def _prep_f16(src, rows: int, N: int, split_k: int, swiglu: bool):
     """src: x [rows, N] or gu [split_k, rows, 2N] -> (packed planes [rows, 4, N/8] int32, scales [rows] fp32)."""
-    xk = _empty((rows, 4, N // 8), torch.int32, src.device)
-    xs = _empty((rows,), torch.float32, src.device)
-    block_w = 128
-    _moe_prep_f16[(rows, triton.cdiv(N // 8, block_w))](src, xk, xs, rows, N, split_k, SWIGLU=swiglu,
-                                                         N_POW2=triton.next_power_of_2(N), BLOCK_W=block_w,
-                                                         **_pdl(src.device))
+    xk, xs = _prep_buffers(rows, N, src.device)
+    _moe_prep_f16[(rows, triton.cdiv(N // 8, PREP_BLOCK_W))](src, xk, xs, rows, N, split_k, SWIGLU=swiglu,
+                                                              N_POW2=triton.next_power_of_2(N), BLOCK_W=PREP_BLOCK_W,
+                                                              **_pdl(src.device))
     return xk, xs
 
 @triton.jit
@@ -1083,10 +1113,10 @@ def _even(n_rows: int, n_words: int, cfg: dict) -> bool:
     return n_rows % cfg["BLOCK_N"] == 0 and n_words % cfg["BLOCK_W"] == 0
 
 
-def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y):
+def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y, prep=None):
     (T, D), P, n_slots, I = x.shape, y.shape[0], slots.shape[0], w13_packed.shape[1] // 2
     K = P // T
-    xk, xs = _prep_f16(x, T, D, 1, swiglu=False)                            # packed f16x2 planes, their scales
+    xk, xs = prep or _prep_f16(x, T, D, 1, swiglu=False)                  # packed f16x2 planes, their scales
     cfg = MOE_GEMV_BLOCKS["gate_up"]
     n_blocks = triton.cdiv(I, cfg["BLOCK_N"])
     n_tiles = triton.cdiv(D // 8, cfg["BLOCK_W"])
@@ -1106,7 +1136,7 @@ def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group
         **_pdl(x.device))
 
 
-def _moe_dot(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y):
+def _moe_dot(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y, prep=None):
     (T, D), P, n_slots, I = x.shape, y.shape[0], slots.shape[0], w13_packed.shape[1] // 2
     K = P // T
     cfg = MOE_BLOCKS["gate_up"]
@@ -1219,6 +1249,8 @@ def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
     in a CUDA graph, two branches)."""
     (T, D), K, E = x.shape, topk_ids.shape[1], w13_packed.shape[0]
     pairs = getattr(topk_ids, "moe_pairs", None)          # sorted by the router's launch (router_topk), if it ran
+    prep = getattr(topk_ids, "moe_prep", None)            # x packed by that launch, if this x, unchanged since
+    prep = prep[2:] if prep is not None and prep[0] is x and prep[1] == x._version else None
     x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
     main = torch.cuda.current_stream(x.device) if x.is_cuda else None
     if shared is not None and main is not None:
@@ -1235,7 +1267,7 @@ def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
     pair_ids, slots = pairs
     y = _empty((T * K, D), torch.float32, x.device)                          # per pair, weighted by topk_weights
     path = _moe_gemv if T <= MOE_GEMV_MAX_T and x.dtype != torch.float32 else _moe_dot
-    path(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y)
+    path(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y, prep)
     if shared is not None:
         if main is not None:
             main.wait_stream(side)
