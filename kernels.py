@@ -729,8 +729,7 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
     part = _empty((n_split, N, E), torch.float32, x.device)                 # [splits, N, E] partial logits
     logits = _empty((N, E), torch.float32, x.device)
     _router_kernel[(n_eb, n_split)](x, weight, part, logits, _counters(x.device), N, E, D, d_split,
-                                    N_SPLIT=n_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED,
-                                    **cfg,
+                                    N_SPLIT=n_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED, **cfg,
                                     **_pdl(x.device))
     prep = (ROUTE_PREP and x.dtype in (torch.float16, torch.bfloat16) and N <= MOE_GEMV_MAX_T and D % 8 == 0
             and not x.is_inference())
@@ -946,6 +945,7 @@ def _prep_block(src_ptr, xk_ptr, xs_ptr, row, block, P, N, SPLIT_K, SWIGLU: tl.c
         packed = ((lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)
                   | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16))
         tl.store(xk_ptr + row * (4 * NW) + p * NW + ww, packed, mask=wm)
+
 
 PREP_BLOCK_W = 128     # words of a row per program
 
