@@ -1561,6 +1561,8 @@ def bench_kernels(a, device, dtype) -> dict:
         return {"skipped": "needs a CUDA GPU and triton"}
     if a.sweep:
         return kernel_sweep(device, dtype)
+    if a.linear:
+        return linear_table(device, dtype, copy_bandwidth(device, 2**30) / 1e9)
     tol, rows = 2e-2, []
     bw = copy_bandwidth(device, 2**30) / 1e9                                                  # GB/s
     print0(f"\n## kernels: {torch.cuda.get_device_name(device)}, {dtype}, tol {tol}; copy bandwidth {bw:.0f} GB/s"
@@ -1621,6 +1623,40 @@ def bench_kernels(a, device, dtype) -> dict:
     ok = all(r["ok"] for r in rows)
     print0("kernels:", "PASSED" if ok else "FAILED")
     return {"copy_GBps": bw, "mma_TFps": peak, "plain_read_32k_us": us, "rows": rows, "passed": ok}
+
+
+LINEAR_SHAPES = {"q_a | kv_a": (2112, 7168), "q_b": (1536, 1536), "o_proj": (7168, 1024),
+                 "shared gate | up": (512, 7168), "shared down": (7168, 256), "dense gate | up": (4608, 7168),
+                 "dense down": (7168, 2304),
+                 "lm_head": (20480, 7168)}    # [N, K] at TP8, rank 0: a MoE layer's five, the dense layer's, the head
+
+
+def linear_table(device, dtype, bw: float) -> dict:
+    """kernels.linear vs cuBLAS (F.linear) at T = 1 and 9 rows: µs per call in a CUDA graph of calls over copies of
+    W that fill several L2s, so each reads its weight from HBM as in a step (and, where the GPU has it, each launch
+    overlaps the one before as PDL lets it); floor = W's bytes / the copy bandwidth."""
+    print0(f"\n## kernels --linear: {torch.cuda.get_device_name(device)}, {dtype}; copy bandwidth {bw:.0f} GB/s; "
+           f"PDL {'on' if kernels._pdl(device)['PDL'] else 'off'}; skinny {kernels.SKINNY}")
+    rows = []
+    for name, (N, K) in LINEAR_SHAPES.items():
+        copies = max(2, -(-(160 << 20) // (2 * N * K)))                       # >= 160 MiB: ~3 x the L2
+        ws = [torch.randn(N, K, device=device, dtype=dtype) / K**0.5 for _ in range(copies)]
+        for T in (1, 9):
+            x = torch.randn(T, K, device=device, dtype=dtype)
+            err = rel_err(kernels.linear(x, ws[0]), F.linear(x, ws[0]))
+            ours, theirs = (_graph_us(lambda: [f(x, w) for w in ws], device) / copies
+                            for f in (kernels.linear, F.linear))
+            rows.append({"weight": name, "N": N, "K": K, "T": T, "rel_err": err, "us": ours, "cublas_us": theirs,
+                         "floor_us": 2 * N * K / bw / 1e3})
+        del ws
+    print0(table(["weight", "N x K", "T", "rel err", "linear us", "cuBLAS us", "floor us", "linear GB/s"],
+                 [[r["weight"], f"{r['N']} x {r['K']}", r["T"], f"{r['rel_err']:.1e}", _f(r["us"]), _f(r["cublas_us"]),
+                   _f(r["floor_us"]), _f(2 * r["N"] * r["K"] / r["us"] / 1e3, ".0f")] for r in rows]))
+    for T in (1, 9):
+        five = [r for r in rows[:10] if r["T"] == T]
+        print0(f"T = {T}, the MoE layer's five: linear {sum(r['us'] for r in five):.1f} us, cuBLAS "
+               f"{sum(r['cublas_us'] for r in five):.1f} us, floor {sum(r['floor_us'] for r in five):.1f} us")
+    return {"copy_GBps": bw, "skinny": dict(kernels.SKINNY), "rows": rows}
 
 
 def kernel_sweep(device, dtype) -> dict:
@@ -1831,6 +1867,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="transformers' experts implementation (grouped_mm is its default for models)")
     k = p.add_argument_group("kernels")
     k.add_argument("--sweep", action="store_true", help="kernels: sweep the MoE and attention launch configs instead")
+    k.add_argument("--linear", action="store_true",
+                   help="kernels: only the skinny GEMM (kernels.linear) vs cuBLAS and the copy floor at TP8 shapes")
     t = p.add_argument_group("tree")
     t.add_argument("--vocab", type=int, default=163840, help="tree: vocabulary size of the draft logits (Kimi's)")
     t.add_argument("--tree-depth", type=int, default=7, help="tree: depths L (block_size - 1)")

@@ -96,6 +96,32 @@ def _row_warps(block: int) -> int:
     return min(8, max(1, block // 512))
 
 
+# Programmatic dependent launch (PDL, Hopper and later): a kernel launched with launch_pdl may start while the kernel
+# before it in the stream still runs, so its launch overlaps that kernel's tail. Each such kernel calls _gdc first:
+# it lets the next kernel launch, then waits until the previous one has finished and its writes are visible, before
+# it reads or writes anything a predecessor touches (so the order of every read and write stays the stream's). A
+# CUDA graph keeps these edges. The interpreter and older GPUs launch plainly (PDL=False: _gdc is a no-op).
+USE_PDL = True
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_ok(device) -> bool:
+    return (HAS_TRITON and not INTERPRETED and device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait"))
+
+
+def _pdl(device) -> dict:
+    """The launch arguments of a kernel that calls _gdc(PDL)."""
+    return dict(PDL=True, launch_pdl=True) if USE_PDL and _pdl_ok(torch.device(device)) else dict(PDL=False)
+
+
+@triton.jit
+def _gdc(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 0. Host paths: on the CPU, outside torch.compile, a host read is free, so the attention references get only the
 # slots that can be visible (the committed prefix, the new tree or block), not the whole fixed-size cache.
@@ -153,7 +179,8 @@ def _partner(cols, P: tl.constexpr, INTERLEAVED: tl.constexpr):
 # rms_norm: y = weight * x / sqrt(mean(x^2) + eps) per row, fp32 statistics. Grid: one program per row. One launch
 # instead of 7-8. EPS is a constexpr, so it stays fp32. Reference: model.rms_norm.
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_row, N, EPS: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_row, N, EPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _gdc(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -170,14 +197,16 @@ def rms_norm(x, weight, eps):
     if rows.shape[0]:                            # e.g. no new context rows for the drafter this step
         BLOCK = triton.next_power_of_2(N)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), N, EPS=float(eps), BLOCK=BLOCK,
-                                           num_warps=_row_warps(BLOCK))
+                                           num_warps=_row_warps(BLOCK), **_pdl(x.device))
     return out
 
 
 # add_rms_norm: (s, y) = (x + r, rms_norm(x + r)), the residual add and the next norm (r: an MLP's output, an MoE's
 # in fp32, rounded to x's dtype first). Grid: one program per row. One read of x and r. Reference: model.add_rms_norm.
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, N, EPS: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, N, EPS: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    _gdc(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -199,7 +228,8 @@ def add_rms_norm(x, r, weight, eps):
     n_rows = x.numel() // N if N else 0
     if n_rows:
         BLOCK = triton.next_power_of_2(N)
-        _add_rms_norm_kernel[(n_rows,)](x, r, weight, s, y, N, EPS=float(eps), BLOCK=BLOCK, num_warps=_row_warps(BLOCK))
+        _add_rms_norm_kernel[(n_rows,)](x, r, weight, s, y, N, EPS=float(eps), BLOCK=BLOCK, num_warps=_row_warps(BLOCK),
+                                        **_pdl(x.device))
     return s, y
 
 
@@ -207,8 +237,9 @@ def add_rms_norm(x, r, weight, eps):
 # (token, block of ROPE_BLOCK_H heads). Reads x in place (e.g. the q_pe slice of q). Reference: model.rope.
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, sx_b, sx_t, sx_h, sc_b, sc_t,
-                 P: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
+                 P: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr):
     # token n = (b, t), BLOCK_H of its H heads x P rope columns; y is contiguous [B, T, H, P]
+    _gdc(PDL)
     n = tl.program_id(0).to(tl.int64)
     b, t = n // T, n % T
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
@@ -236,14 +267,15 @@ def rope(x, cos, sin, interleaved=True):
         H = x4.shape[2]
         BLOCK_H = min(ROPE_BLOCK_H, triton.next_power_of_2(H))
         _rope_kernel[(B * T, triton.cdiv(H, BLOCK_H))](x4, cos, sin, y, T, H, *x4.stride()[:3], *cos.stride()[:2], P=P,
-                                                      BLOCK_H=BLOCK_H, INTERLEAVED=interleaved)
+                                                      BLOCK_H=BLOCK_H, INTERLEAVED=interleaved, **_pdl(x.device))
     return y
 
 
 # silu_mul: SwiGLU's silu(g) * u, each op's rounding kept. Grid: (row, block of columns). Reads g and u in place
 # (the two halves of one gate|up GEMM output). Reference: model.silu_mul.
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _gdc(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -262,7 +294,8 @@ def silu_mul(g, u):
     y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     if g.numel():
         BLOCK = min(1024, triton.next_power_of_2(N))
-        _silu_mul_kernel[(g2.shape[0], triton.cdiv(N, BLOCK))](g2, u2, y, N, g2.stride(0), u2.stride(0), BLOCK=BLOCK)
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(N, BLOCK))](g2, u2, y, N, g2.stride(0), u2.stride(0), BLOCK=BLOCK,
+                                                                **_pdl(g.device))
     return y
 
 
@@ -271,7 +304,8 @@ def silu_mul(g, u):
 # cat and scatter. Reference: model.mla_latent_to_cache.
 @triton.jit
 def _mla_latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, slots_ptr, cache_ptr, T, stride_kv, stride_cb, stride_cs,
-                       R: tl.constexpr, P: tl.constexpr, EPS: tl.constexpr):
+                       R: tl.constexpr, P: tl.constexpr, EPS: tl.constexpr, PDL: tl.constexpr):
+    _gdc(PDL)
     n = tl.program_id(0).to(tl.int64)
     dst = cache_ptr + (n // T) * stride_cb + tl.load(slots_ptr + n) * stride_cs
     src = kv_ptr + n * stride_kv
@@ -293,28 +327,30 @@ def mla_latent_to_cache(kv, weight, eps, cos, sin, cache, slots):
     if B * T:
         _mla_latent_kernel[(B * T,)](rows, weight.contiguous(), cos.contiguous(), sin.contiguous(), slots.contiguous(),
                                      cache, T, rows.stride(0), cache.stride(0), cache.stride(1), R=R, P=C - R,
-                                     EPS=float(eps), num_warps=_row_warps(R))
+                                     EPS=float(eps), num_warps=_row_warps(R), **_pdl(kv.device))
 
 
 # The projections of a decode / verify step (model.linear: every Linear): y = x W^T for M <= SKINNY_MAX_M rows, W
 # [N, K] streamed once. cuBLAS runs a split-K GEMM and a separate reduce at these shapes; here program (n block,
-# split) multiplies its [BLOCK_N, K / SPLIT] slice of W by all M rows (one tl.dot tile of BLOCK_M rows), and the last
-# split of an n block to finish sums the splits in order (the same bits every run; for a row, whatever the other
-# rows of its tile). One launch.
+# split) multiplies its [BLOCK_N, K / SPLIT] slice of W by all M rows (one tl.dot tile: W's BLOCK_N rows as its
+# rows and x^T as its BLOCK_M columns: Hopper's wgmma), and the last split of an n block to finish sums the splits
+# in order (the same bits every run; for a row, whatever the other rows of its tile). One launch.
 
 SKINNY_MAX_M = 64
-SKINNY = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, max_split=8, waves=2)
+SKINNY = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, max_split=8, waves=2)
 SKINNY_MAX_BLOCKS = 4096      # n blocks with a counter each
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, part_ptr, y_ptr, count_ptr, M, N, K, K_SPLIT, stride_x, SPLIT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                   PDL: tl.constexpr):
+    _gdc(PDL)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_x + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
@@ -322,17 +358,17 @@ def _skinny_kernel(x_ptr, w_ptr, part_ptr, y_ptr, count_ptr, M, N, K, K_SPLIT, s
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :], mask=n_mask[:, None] & (k < K)[None, :],
                     other=0.0)
         if IEEE:      # fp32 (the interpreter's tests): not tf32
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, tl.trans(w), acc)                                               # [BLOCK_M, BLOCK_N]
-    tile = offs_m[:, None] * N + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
+            acc = tl.dot(w, tl.trans(x), acc)                                               # [BLOCK_N, BLOCK_M]
+    tile = offs_n[:, None] + offs_m[None, :] * N                                            # y[m, n]
+    mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT == 1:
         tl.store(y_ptr + tile, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptr + split * M * N + tile, acc, mask=mask)
         if _last_to_arrive(count_ptr + pid_n, SPLIT):
-            y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            y = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT):                                 # in split order: the same bits each run
                 y += tl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + tile, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -360,7 +396,7 @@ def linear(x, weight):
     cfg = {k: SKINNY[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
     _skinny_kernel[(triton.cdiv(N, SKINNY["BLOCK_N"]), split)](
         x2, weight, part, y, _stream_counters(x.device), M, N, K, k_split, x2.stride(0), SPLIT=split,
-        BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32, **cfg)
+        BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32, **cfg, **_pdl(x.device))
     return y
 
 
@@ -531,9 +567,11 @@ def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale,
 # matmul in programs of BLOCK_E experts x one slice of D (the fp32 weight streamed once; cuBLAS's fp32 GEMM at a few
 # rows is slower), where the last slice of an expert block to finish sums the block's slices in a fixed order (the
 # same bits every run); then one program per token routes it, and the last of them to finish sorts the (token, k)
-# pairs by expert for the routed experts (_sort_pairs), which fused_moe_w4a16 reads instead of sorting them again.
+# pairs by expert for the routed experts (_sort_pairs), which fused_moe_w4a16 reads instead of sorting them again;
+# beside each token's routing program, programs that pack x for the MoE GEMV (_prep_block), which it reads too.
 
 ROUTER_MAX_T = 64       # more tokens (prefill): F.linear, where cuBLAS's tiles are full, then _route_kernel
+ROUTE_PREP = True       # the route launch also packs x for the MoE GEMV (one launch fewer per MoE layer)
 ROUTER_BLOCKS = dict(BLOCK_E=32, BLOCK_D=64, num_warps=4, num_stages=3)
 
 
@@ -557,12 +595,19 @@ def _last_to_arrive(counter_ptr, n):
 
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, count_ptr, pair_ids_ptr, slots_ptr, N, E, N_SLOTS,
-                  K: tl.constexpr, K_POW2: tl.constexpr, NORM: tl.constexpr, SCALE: tl.constexpr,
-                  E_POW2: tl.constexpr, SORT: tl.constexpr, P_POW2: tl.constexpr, BINS: tl.constexpr,
-                  S_POW2: tl.constexpr):
-    # program t = token: top-K of sigmoid(logits) + bias by K rounds of one max over int64 keys (the choice's order
-    # bits, then the lower id on ties); weights = the chosen scores (without the bias), renormalized, scaled.
-    # SORT: the last program to finish sorts every token's pairs by expert.
+                  x_ptr, xk_ptr, xs_ptr, D, K: tl.constexpr, K_POW2: tl.constexpr, NORM: tl.constexpr,
+                  SCALE: tl.constexpr, E_POW2: tl.constexpr, SORT: tl.constexpr, P_POW2: tl.constexpr,
+                  BINS: tl.constexpr, S_POW2: tl.constexpr, PREP: tl.constexpr, D_POW2: tl.constexpr,
+                  PREP_W: tl.constexpr, PDL: tl.constexpr):
+    _gdc(PDL)
+    # program (t, 0), t = token: top-K of sigmoid(logits) + bias by K rounds of one max over int64 keys (the choice's
+    # order bits, then the lower id on ties); weights = the chosen scores (without the bias), renormalized, scaled.
+    # SORT: the last program to finish sorts every token's pairs by expert. PREP: program (t, j) also packs block j
+    # of x's row t for the MoE GEMV (_moe_prep_f16's work, in this launch instead of its own).
+    if PREP:
+        _prep_block(x_ptr, xk_ptr, xs_ptr, tl.program_id(0), tl.program_id(1), N, D, 1, False, D_POW2, PREP_W)
+    if tl.program_id(1) > 0:
+        return
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_POW2)
     k = tl.arange(0, K_POW2)
@@ -587,7 +632,8 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, count_ptr, pair_ids_ptr,
 
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, count_ptr, N, E, D, D_SPLIT, N_SPLIT: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BF16: tl.constexpr):
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BF16: tl.constexpr,
+                   PDL: tl.constexpr):
     # Program (e block, split): partial logits over columns split*D_SPLIT.. of D -> part[split, t, e], all N tokens;
     # the block's last program to finish sums its N_SPLIT partials -> logits[t, e].
     # SPLIT_BF16 (GPU): each operand as hi + lo bf16 and three tensor-core dots with fp32 accumulation (lo x lo is
@@ -598,6 +644,7 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, count_ptr, N, E, D, D_SPL
     offs_t = tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     e_mask, t_mask = offs_e < E, offs_t < N
+    _gdc(PDL)
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     for d0 in range(split * D_SPLIT, tl.minimum(split * D_SPLIT + D_SPLIT, D), BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
@@ -641,20 +688,29 @@ def _stream_counters(device) -> torch.Tensor:
     return _COUNTERS[key]
 
 
-def _route_launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float, sort: bool):
-    """logits [N, E] fp32 -> (weights, ids); sort: ids.moe_pairs = the pairs sorted by expert (_moe_sort's output)"""
-    N, E = logits.shape
+def _route_launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float, sort: bool,
+                  x: torch.Tensor | None = None):
+    """logits [N, E] fp32 -> (weights, ids); sort: ids.moe_pairs = the pairs sorted by expert (_moe_sort's output);
+    x [N, D] (16-bit): ids.moe_prep = (x, its version, x packed for the MoE GEMV: _prep_f16's output)"""
+    (N, E), D = logits.shape, (x.shape[1] if x is not None else 8)
+    xk, xs = _prep_buffers(N, D, logits.device) if x is not None else (logits, logits)
     w = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
     P = N * top_k
     pair_ids, slots = _empty((P,), torch.int64, logits.device), _empty((min(E, P), 3), torch.int64, logits.device)
     if N:
-        _route_kernel[(N,)](logits, bias, w, ids, _counters(logits.device)[-1:], pair_ids, slots, N, E, slots.shape[0],
-                            K=top_k, K_POW2=triton.next_power_of_2(top_k), NORM=norm, SCALE=float(scale),
-                            E_POW2=triton.next_power_of_2(E), SORT=sort, P_POW2=triton.next_power_of_2(P),
-                            BINS=triton.next_power_of_2(E + 1), S_POW2=triton.next_power_of_2(max(slots.shape[0], 1)))
+        blocks = triton.cdiv(D // 8, PREP_BLOCK_W) if x is not None else 1
+        _route_kernel[(N, blocks)](logits, bias, w, ids, _counters(logits.device)[-1:], pair_ids, slots, N, E,
+                                   slots.shape[0], logits if x is None else x, xk, xs, D, K=top_k,
+                                   K_POW2=triton.next_power_of_2(top_k), NORM=norm, SCALE=float(scale),
+                                   E_POW2=triton.next_power_of_2(E), SORT=sort, P_POW2=triton.next_power_of_2(P),
+                                   BINS=triton.next_power_of_2(E + 1),
+                                   S_POW2=triton.next_power_of_2(max(slots.shape[0], 1)), PREP=x is not None,
+                                   D_POW2=triton.next_power_of_2(D), PREP_W=PREP_BLOCK_W, **_pdl(logits.device))
     if sort:
         ids.moe_pairs = (pair_ids, slots)
+    if x is not None:
+        ids.moe_prep = (x, x._version, xk, xs)
     return w, ids
 
 
@@ -678,8 +734,12 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
     part = _empty((n_split, N, E), torch.float32, x.device)                 # [splits, N, E] partial logits
     logits = _empty((N, E), torch.float32, x.device)
     _router_kernel[(n_eb, n_split)](x, weight, part, logits, _counters(x.device), N, E, D, d_split,
-                                    N_SPLIT=n_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED, **cfg)
-    return _route_launch(logits, bias, top_k, norm, scale, sort=N * top_k <= MOE_SORT_MAX_PAIRS)
+                                    N_SPLIT=n_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED, **cfg,
+                                    **_pdl(x.device))
+    prep = (ROUTE_PREP and x.dtype in (torch.float16, torch.bfloat16) and N <= MOE_GEMV_MAX_T and D % 8 == 0
+            and not x.is_inference())
+    return _route_launch(logits, bias, top_k, norm, scale, sort=N * top_k <= MOE_SORT_MAX_PAIRS,
+                         x=x if prep else None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -691,8 +751,9 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
 # chose (a tree's siblings route alike) is read from HBM once, then from L2.
 # Decode / verify (T <= MOE_GEMV_MAX_T, 16-bit activations): a bandwidth-bound GEMV, no tl.dot and no dequantized
 # tile: each int32 word is reduced against its 8 activations where it was loaded (row strides as arguments: 128-bit
-# loads), with Marlin's f16x2 trick in PTX (_DEQUANT_DOT_PTX) on activations packed and scaled by _moe_prep_f16; a
-# run of 4 words (one scale group) is summed in f16x2, converted to fp32 once; no load masks when tiles fit (EVEN).
+# loads), with Marlin's f16x2 trick in PTX (_DEQUANT_DOT_PTX) on activations packed and scaled by _prep_block (x: in
+# the router's route launch where it ran on this x, else in _moe_prep_f16); a run of 4 words (one scale group) is
+# summed in f16x2, converted to fp32 once; no load masks when tiles fit (EVEN).
 # Stage 1 (gate | up) may split D over SPLIT_K programs when few experts are live (TP8 decode); _moe_prep_f16 then
 # sums the slices, applies SwiGLU, packs h for stage 2 (down, x routing weight).
 # Prefill (T > MOE_GEMV_MAX_T) and fp32 activations: tiles of BLOCK_M pairs x BLOCK_N rows dequantized in registers
@@ -863,19 +924,25 @@ def _prep_values(src_ptr, row, P, N, SPLIT_K, cols, mask, SWIGLU: tl.constexpr):
 
 @triton.jit
 def _moe_prep_f16(src_ptr, xk_ptr, xs_ptr, P, N, SPLIT_K,
-                  SWIGLU: tl.constexpr, N_POW2: tl.constexpr, BLOCK_W: tl.constexpr):
+                  SWIGLU: tl.constexpr, N_POW2: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    _gdc(PDL)
+    _prep_block(src_ptr, xk_ptr, xs_ptr, tl.program_id(0), tl.program_id(1), P, N, SPLIT_K, SWIGLU, N_POW2, BLOCK_W)
+
+
+@triton.jit
+def _prep_block(src_ptr, xk_ptr, xs_ptr, row, block, P, N, SPLIT_K, SWIGLU: tl.constexpr, N_POW2: tl.constexpr,
+                BLOCK_W: tl.constexpr):
     # Program (row, block): words block*BLOCK_W.. of one activation row of N -> xk[row] [4, N/8] int32 f16x2 planes
     # (plane p, word w = (x[8w+p], x[8w+p+4])), scaled by 2^-e with e = floor(log2 max |x|); xs[row] = 2^e. Every
     # program of a row reads the whole row for the max (a few KB, from L2): one parallel pass, not a serial one.
-    row = tl.program_id(0)
     cols = tl.arange(0, N_POW2)
     m = tl.max(tl.abs(_prep_values(src_ptr, row, P, N, SPLIT_K, cols, cols < N, SWIGLU)), 0)
     e = tl.where(m > 0, tl.floor(tl.log2(tl.where(m > 0, m, 1.0))), 0.0)
-    if tl.program_id(1) == 0:
+    if block == 0:
         tl.store(xs_ptr + row, tl.exp2(e))
     scale = tl.exp2(-e)                                                      # a power of two: exact
     NW = N // 8
-    ww = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    ww = block * BLOCK_W + tl.arange(0, BLOCK_W)
     wm = ww < NW
     for p in tl.static_range(4):
         lo = (_prep_values(src_ptr, row, P, N, SPLIT_K, ww * 8 + p, wm, SWIGLU) * scale).to(tl.float16)
@@ -884,22 +951,30 @@ def _moe_prep_f16(src_ptr, xk_ptr, xs_ptr, P, N, SPLIT_K,
                   | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16))
         tl.store(xk_ptr + row * (4 * NW) + p * NW + ww, packed, mask=wm)
 
+
+PREP_BLOCK_W = 128     # words of a row per program
+
+
+def _prep_buffers(rows: int, N: int, device):
+    return _empty((rows, 4, N // 8), torch.int32, device), _empty((rows,), torch.float32, device)
+
+
 def _prep_f16(src, rows: int, N: int, split_k: int, swiglu: bool):
     """src: x [rows, N] or gu [split_k, rows, 2N] -> (packed planes [rows, 4, N/8] int32, scales [rows] fp32)."""
-    xk = _empty((rows, 4, N // 8), torch.int32, src.device)
-    xs = _empty((rows,), torch.float32, src.device)
-    block_w = 128
-    _moe_prep_f16[(rows, triton.cdiv(N // 8, block_w))](src, xk, xs, rows, N, split_k, SWIGLU=swiglu,
-                                                         N_POW2=triton.next_power_of_2(N), BLOCK_W=block_w)
+    xk, xs = _prep_buffers(rows, N, src.device)
+    _moe_prep_f16[(rows, triton.cdiv(N // 8, PREP_BLOCK_W))](src, xk, xs, rows, N, split_k, SWIGLU=swiglu,
+                                                              N_POW2=triton.next_power_of_2(N), BLOCK_W=PREP_BLOCK_W,
+                                                              **_pdl(src.device))
     return xk, xs
 
 @triton.jit
 def _moe_gate_up_gemv(xk_ptr, xs_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, slots_ptr, I, K, P, DW, DG,
                       GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                      PTX: tl.constexpr, EVEN: tl.constexpr):
+                      PTX: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     # Program (slot, pid_n, split): rows pid_n*BLOCK_N.. of gate and of up of the slot-th used expert over the split-th
     # slice of D, for each of its pairs in turn (the repeats from L2) -> gu[split, pair] (gate 0..I-1, up I..2I-1).
     # DW = D/8 and DG = D/group are arguments (not D // 8 here) so the compiler sees them divisible by 16.
+    _gdc(PDL)
     e, start, count = _load_slot(slots_ptr)
     if count == 0:
         return
@@ -932,9 +1007,10 @@ def _moe_gate_up_gemv(xk_ptr, xs_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, slots_ptr,
 @triton.jit
 def _moe_down_gemv(hk_ptr, hs_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, slots_ptr, D, IW, IG,
                    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PTX: tl.constexpr,
-                   EVEN: tl.constexpr):
+                   EVEN: tl.constexpr, PDL: tl.constexpr):
     # Program (slot, pid_n): output columns pid_n*BLOCK_N.. of down_proj for the slot-th used expert's pairs, times
     # each pair's routing weight -> y[pair]
+    _gdc(PDL)
     e, start, count = _load_slot(slots_ptr)
     if count == 0:
         return
@@ -1042,10 +1118,10 @@ def _even(n_rows: int, n_words: int, cfg: dict) -> bool:
     return n_rows % cfg["BLOCK_N"] == 0 and n_words % cfg["BLOCK_W"] == 0
 
 
-def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y):
+def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y, prep=None):
     (T, D), P, n_slots, I = x.shape, y.shape[0], slots.shape[0], w13_packed.shape[1] // 2
     K = P // T
-    xk, xs = _prep_f16(x, T, D, 1, swiglu=False)                            # packed f16x2 planes, their scales
+    xk, xs = prep or _prep_f16(x, T, D, 1, swiglu=False)                  # packed f16x2 planes, their scales
     cfg = MOE_GEMV_BLOCKS["gate_up"]
     n_blocks = triton.cdiv(I, cfg["BLOCK_N"])
     n_tiles = triton.cdiv(D // 8, cfg["BLOCK_W"])
@@ -1054,16 +1130,18 @@ def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group
     gu = _empty((split_k, P, 2 * I), torch.float32, x.device)
     _moe_gate_up_gemv[(n_slots, n_blocks, split_k)](
         xk, xs, w13_packed, w13_scale, gu, pair_ids, slots, I, K, P, D // 8, D // group_size,
-        GROUP=group_size, SPLIT_K=split_k, PTX=MOE_PTX, EVEN=_even(I, D // 8, cfg), **cfg)
+        GROUP=group_size, SPLIT_K=split_k, PTX=MOE_PTX, EVEN=_even(I, D // 8, cfg), **cfg,
+        **_pdl(x.device))
     hk, hs = _prep_f16(gu, P, I, split_k, swiglu=True)                      # h = SwiGLU, packed the same way
     cfg = dict(MOE_GEMV_BLOCKS["down"])
     cfg["BLOCK_W"] = min(cfg["BLOCK_W"], triton.next_power_of_2(I // 8))   # no wider than a row (TP8: 32 words)
     _moe_down_gemv[(n_slots, triton.cdiv(D, cfg["BLOCK_N"]))](
         hk, hs, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I // 8, I // group_size,
-        GROUP=group_size, PTX=MOE_PTX, EVEN=_even(D, I // 8, cfg), **cfg)
+        GROUP=group_size, PTX=MOE_PTX, EVEN=_even(D, I // 8, cfg), **cfg,
+        **_pdl(x.device))
 
 
-def _moe_dot(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y):
+def _moe_dot(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y, prep=None):
     (T, D), P, n_slots, I = x.shape, y.shape[0], slots.shape[0], w13_packed.shape[1] // 2
     K = P // T
     cfg = MOE_BLOCKS["gate_up"]
@@ -1131,7 +1209,9 @@ def _moe_sort(topk_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 @triton.jit
-def _moe_sum_kernel(y_ptr, shared_ptr, out_ptr, D, K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+def _moe_sum_kernel(y_ptr, shared_ptr, out_ptr, D, K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+    _gdc(PDL)
     # program (token t, column block): out[t] = sum over k of y[t, k] (the pairs' weighted outputs), + shared[t]
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -1174,6 +1254,8 @@ def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
     in a CUDA graph, two branches)."""
     (T, D), K, E = x.shape, topk_ids.shape[1], w13_packed.shape[0]
     pairs = getattr(topk_ids, "moe_pairs", None)          # sorted by the router's launch (router_topk), if it ran
+    prep = getattr(topk_ids, "moe_prep", None)            # x packed by that launch, if this x, unchanged since
+    prep = prep[2:] if prep is not None and prep[0] is x and prep[1] == x._version else None
     x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
     main = torch.cuda.current_stream(x.device) if x.is_cuda else None
     if shared is not None and main is not None:
@@ -1190,7 +1272,7 @@ def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
     pair_ids, slots = pairs
     y = _empty((T * K, D), torch.float32, x.device)                          # per pair, weighted by topk_weights
     path = _moe_gemv if T <= MOE_GEMV_MAX_T and x.dtype != torch.float32 else _moe_dot
-    path(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y)
+    path(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y, prep)
     if shared is not None:
         if main is not None:
             main.wait_stream(side)
@@ -1199,7 +1281,7 @@ def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed,
     if T:
         BLOCK = 256                                                          # enough programs for T = 9 x 7168
         _moe_sum_kernel[(T, triton.cdiv(D, BLOCK))](y, y if shared is None else shared_out, out, D, K=K,
-                                                    HAS_SHARED=shared is not None, BLOCK=BLOCK)
+                                                    HAS_SHARED=shared is not None, BLOCK=BLOCK, **_pdl(x.device))
     return out
 
 

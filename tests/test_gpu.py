@@ -61,6 +61,21 @@ def test_graph_replay_equals_eager(tmp_path, dtype, budgets):
         assert runs["graph"] == runs["eager"], budget
 
 
+def test_pdl_changes_no_token(tmp_path, monkeypatch):
+    """Programmatic dependent launch only moves when kernels start: DDTree replayed as graphs with it == eager
+    without it, token for token and accept length for accept length (bf16, where a race would show first)."""
+    target, drafter = _pair(tmp_path, torch.bfloat16)
+    runs = {}
+    for pdl, mode in ((False, "eager"), (True, "graph")):
+        monkeypatch.setattr(kernels, "USE_PDL", pdl)
+        st = G.Stats()
+        out = G.generate(target, list(range(3, 40)), 150, drafter=drafter, budget=8, max_seq_len=320, stats=st,
+                         mode=mode)
+        runs[pdl] = (out, st.accept_lens)
+    assert len(runs[True][1]) >= 100
+    assert runs[True] == runs[False]
+
+
 def test_graph_autoregressive_equals_eager(tmp_path):
     target, _ = _pair(tmp_path, torch.bfloat16)
     a = G.generate(target, [5, 6, 7], 64, max_seq_len=128)

@@ -631,6 +631,29 @@ def test_router_topk_kernel(N, E, D, k, dtype):
         if N <= kernels.ROUTER_MAX_T:       # one launch: the pairs sorted by expert for int4_experts, as _moe_sort
             (pair_ids, slots), (pair_ref, slots_ref) = ids.moe_pairs, kernels._moe_sort(ids, E)
             assert torch.equal(pair_ids, pair_ref) and torch.equal(slots, slots_ref)
+        if N <= kernels.ROUTER_MAX_T and dtype != torch.float32:   # and x packed for the MoE GEMV, as _prep_f16
+            xk, xs = ids.moe_prep[2:]
+            xk_ref, xs_ref = kernels._prep_f16(x, N, D, 1, swiglu=False)
+            assert ids.moe_prep[0] is x and torch.equal(xk, xk_ref) and torch.equal(xs, xs_ref)
+
+
+@needs_kernels
+def test_router_prep_feeds_int4_experts(monkeypatch):
+    """x as router_topk packed it == x as the MoE launch packs it: the same output bits; an x changed in place since
+    (or another x) is packed again, not read stale."""
+    monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
+    T_, E, K, D, I = 3, 16, 4, 160, 64
+    x, _, _, *experts = make_moe(T_, E, K, D, I, torch.float16, KERNEL_DEVICE, seed=7)
+    g = torch.Generator().manual_seed(7)
+    weight = (torch.randn(E, D, generator=g) / D**0.5).to(KERNEL_DEVICE)
+    bias = torch.zeros(E, device=KERNEL_DEVICE)
+    w, ids = launch("router_topk", x, weight, bias, K, True, 1.0)
+    assert hasattr(ids, "moe_prep")
+    plain = kernels.fused_moe_w4a16(x, ids.clone(), w, *experts)                   # a clone: no attributes
+    assert torch.equal(kernels.fused_moe_w4a16(x, ids, w, *experts), plain)
+    x.mul_(2)
+    fresh = kernels.fused_moe_w4a16(x, ids, w, *experts)
+    assert torch.equal(fresh, kernels.fused_moe_w4a16(x, ids.clone(), w, *experts)) and not torch.equal(fresh, plain)
 
 
 @needs_kernels
