@@ -96,6 +96,9 @@ def _row_warps(block: int) -> int:
     return min(8, max(1, block // 512))
 
 
+MASK_WORD_BITS = 64     # tree slots one int64 word of a tree-mask row holds (the attention and search kernels)
+
+
 # Programmatic dependent launch (PDL, Hopper and later): a kernel launched with launch_pdl may start while the kernel
 # before it in the stream still runs, so its launch overlaps that kernel's tail. Each such kernel calls _gdc first:
 # it lets the next kernel launch, then waits until the previous one has finished and its writes are visible, before
@@ -525,7 +528,7 @@ def _merge_splits(o_part, lse_part, prefix_len, out, T: int, H: int, MIN_SPLIT: 
         SPLITS=SPLITS, BLOCK_R=BLOCK_R, num_warps=ATTN_MERGE["num_warps"])
 
 
-ATTN_MAX_T = 64         # a query row's tree-mask row is packed into one int64 word
+ATTN_MAX_T = MASK_WORD_BITS      # each query row's tree-mask row is packed into one word
 
 
 def _mla_attention_fits(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=None):
@@ -1539,7 +1542,7 @@ def rank_topk(logp, k):
 # After i pops the live slots are the heap's entries, so the max key is the (i+1)-th prefix in key order; scores
 # add up as in the reference (parent score + logp in float32). No live slot left (tiny vocabulary): padding nodes.
 
-TREE_MAX_BUDGET = 64    # parents are nodes < 64, so a parent's mask row fits one int64 (node 64 is never a parent)
+TREE_MAX_BUDGET = MASK_WORD_BITS  # parents are nodes < 64: a parent's mask row fits a word (node 64 is never one)
 TREE_MAX_DEPTH = 255    # depth is an 8-bit field of the key
 
 
