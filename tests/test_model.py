@@ -129,6 +129,22 @@ def test_tree_mask_and_positions_match_branches():
     assert rel_err(tree[:, [0, 4, 5]], seq_b) <= 1e-4
 
 
+def test_cache_misuse_is_one_clear_error():
+    """A cached forward before setup_cache, one past the cache's end, and a tensor start_pos on the naive path (which
+    slices the cache by an int) each raise one error that says what was wrong."""
+    model = tiny.random_model(tiny.text_config(), seed=5)
+    tokens = torch.randint(0, 96, (1, 4))
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"cache overflow: 0 slots \(setup_cache\)"):
+            model(tokens, start_pos=0)
+        model.setup_cache(1, 8)
+        with pytest.raises(ValueError, match="cache overflow: 8 slots"):
+            model(tokens, start_pos=5)
+        with pytest.raises(ValueError, match="naive MLA path needs an int start_pos"):
+            model(tokens, start_pos=torch.tensor([0]), absorb=False)
+        assert model(tokens, start_pos=4).logits.shape == (1, 4, 96)          # exactly full: fine
+
+
 def test_hidden_layers_are_layer_outputs():
     model = tiny.random_model(tiny.text_config(), seed=4)
     tokens = torch.randint(0, 96, (1, 9))
