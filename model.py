@@ -417,7 +417,7 @@ class MLA(nn.Module):
         B, T = q_nope.shape[:2]
         wkv_b = self._wkv_b()
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :self.nope])          # [B, T, H, R]
-        prefix = torch.as_tensor(start_pos, device=q_nope.device).expand(B)            # [B]
+        prefix = _starts(start_pos, B, q_nope.device)                                  # [B]
         o_lat = mla_tree_attention(q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)
         # o = einsum("bthr,hdr->bthd", o_lat, W_UV), one GEMM per head written straight into the
         # [B, T, H, v] rows o_proj reads (the einsum would leave [H, B*T, v] to copy)
@@ -428,12 +428,14 @@ class MLA(nn.Module):
         return o
 
 
+def _starts(start_pos, B: int, device) -> torch.Tensor:
+    """start_pos, an int or a LongTensor [B], as a LongTensor [B] (an int filled in: no copy)"""
+    return start_pos if torch.is_tensor(start_pos) else torch.full((B,), start_pos, device=device)
+
+
 def _slots(start_pos, B: int, T: int, device) -> torch.Tensor:
-    ar = torch.arange(T, device=device)
-    if isinstance(start_pos, int):
-        # [B, T], contiguous (the cache-write kernel indexes it flat)
-        return (start_pos + ar).repeat(B, 1)
-    return start_pos.view(B, 1) + ar                                               # [B, T]
+    """start_pos + [0, T): [B, T], contiguous (the cache-write kernel indexes it flat)"""
+    return _starts(start_pos, B, device).view(B, 1) + torch.arange(T, device=device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -728,8 +730,8 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         slots = _slots(0 if start_pos is None else start_pos, B, T, tokens.device)     # [B, T]
         positions = slots if positions is None else positions
-        if start_pos is not None and (self.kv_cache is None or isinstance(start_pos, int)
-                                      and start_pos + T > self.max_seq_len):
+        overflow = isinstance(start_pos, int) and start_pos + T > self.max_seq_len
+        if start_pos is not None and (self.kv_cache is None or overflow):
             raise ValueError(f"cache overflow: {self.max_seq_len} slots (setup_cache), not "
                              f"start_pos {start_pos} + {T} tokens")
         if absorb is None:       # see ABSORB_MAX_T

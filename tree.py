@@ -183,7 +183,7 @@ def _expand(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budget: in
     bsz, L, K = lp.shape
     r = roots[:, None]                                                               # [b, 1]
     f_score, first = lp.new_zeros(bsz, 1), 0     # a depth's survivors, the first one's number
-    score, parent, token, depth = [f_score], [r * 0 - 1], [r], [r * 0]
+    score, parent, token, depth = [f_score], [torch.full_like(r, -1)], [r], [torch.zeros_like(r)]
     for d in range(L if K else 0):
         # (0 + logp at depth 1, like every builder: it turns a -0.0 logp into the heap's 0.0)
         cand = (f_score[:, :, None] + lp[:, d, None, :]).flatten(1)     # [b, n*K] tuple order
