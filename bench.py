@@ -884,6 +884,7 @@ def time_block(block: M.Block, args: M.ModelArgs, kind: str, a, device, dtype, b
             step = layer_step(block, s, cache)
             ids = routed_ids(block, step)
             eager, graph, why = time_step(step, device, a.graph)
+            cold = _cold_us(step, device) if graph is not None else None     # weights from HBM, as in a step
             compiled, why_c = (None, None)
             if a.compile:
                 compiled, why_c = time_compiled(layer_step(cblock, s, cache), device)
@@ -896,7 +897,7 @@ def time_block(block: M.Block, args: M.ModelArgs, kind: str, a, device, dtype, b
                          "experts_uniform": None if ids is None else
                          uniform_union(args.n_routed_experts, args.num_experts_per_tok, T),
                          "eager_us": eager * 1e6, "graph_us": None if graph is None else graph * 1e6,
-                         "graph_error": why, "compile_us": None if compiled is None else compiled * 1e6,
+                         "cold_us": cold, "graph_error": why, "compile_us": None if compiled is None else compiled * 1e6,
                          "compile_error": why_c, "floor_us": floor * 1e6, "mbu": floor / best, "bytes": nbytes,
                          **kern})
     return rows
@@ -956,10 +957,10 @@ def project(rows: list[dict], head: list[dict], cfg: dict, a) -> tuple[list[dict
 
 
 def print_layers(rows: list[dict], head: list[dict], proj: list[dict], assumptions: list[str], bw: float) -> None:
-    print0(table(["layer", "ctx", "T", "experts", "uniform", "eager us", "compile us", "graph us", "kernels us",
-                  "graph/kern", "kernels", "floor us", "MBU", "MB read"],
+    print0(table(["layer", "ctx", "T", "experts", "uniform", "eager us", "compile us", "graph us", "cold us",
+                  "kernels us", "graph/kern", "kernels", "floor us", "MBU", "MB read"],
                  [[r["layer"], r["ctx"], r["T"], _f(r["experts"], "d"), _f(r["experts_uniform"]), _f(r["eager_us"]),
-                   _f(r["compile_us"]), _f(r["graph_us"]), _f(r["kernels_us"]),
+                   _f(r["compile_us"]), _f(r["graph_us"]), _f(r["cold_us"]), _f(r["kernels_us"]),
                    _f(r["graph_us"] / r["kernels_us"] if r["graph_us"] and r["kernels_us"] else None, ".2f"),
                    _f(r["n_kernels"], ".0f"), _f(r["floor_us"]), _f(100 * r["mbu"], ".1f") + "%",
                    _f(r["bytes"]["total"] / 1e6)] for r in rows]))
@@ -969,7 +970,8 @@ def print_layers(rows: list[dict], head: list[dict], proj: list[dict], assumptio
                    + "; ".join(f"{n} {us}" for n, us in r["top_kernels"]))
     print0(f"floor = bytes read / {bw / 1e9:.0f} GB/s copy bandwidth measured in this run; bytes = attention "
            f"weights + distinct routed experts (INT4 + scales, 3 matrices) + shared expert + router + KV "
-           f"(ctx + T) x (kv_lora + rope) x dtype bytes (dense: attention + MLP + KV); MBU = floor / best time")
+           f"(ctx + T) x (kv_lora + rope) x dtype bytes (dense: attention + MLP + KV); MBU = floor / best time; graph: "
+           f"replayed back to back (what fits stays in L2); cold: the graph after writing twice the L2, as in a step")
     errs = {r["graph_error"] for r in rows if r["graph_error"]}
     if errs:
         print0(f"CUDA graph capture failed: {'; '.join(errs)}")

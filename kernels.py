@@ -340,7 +340,7 @@ def mla_latent_to_cache(kv, weight, eps, cos, sin, cache, slots):
 # in order (the same bits every run; for a row, whatever the other rows of its tile). One launch.
 
 SKINNY_MAX_M = 64
-SKINNY = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, max_split=8, waves=2)
+SKINNY = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, max_split=8, waves=1)
 SKINNY_MAX_BLOCKS = 4096      # n blocks with a counter each
 
 
@@ -378,9 +378,10 @@ def _skinny_kernel(x_ptr, w_ptr, part_ptr, y_ptr, count_ptr, M, N, K, K_SPLIT, s
 
 
 def _skinny_split(N: int, K: int, device) -> int:
-    # slices of K for ~`waves` waves of programs, each at least one BLOCK_K tile; depends on the shapes of W alone
+    # slices of K for ~`waves` waves of programs, to the nearest whole split (a split costs its partials and the last
+    # program's sum: a part-filled wave is cheaper), each at least one BLOCK_K tile; depends on the shapes of W alone
     n_blocks, tiles = triton.cdiv(N, SKINNY["BLOCK_N"]), triton.cdiv(K, SKINNY["BLOCK_K"])
-    return max(1, min(SKINNY["max_split"], tiles, triton.cdiv(int(SKINNY["waves"] * _sm_count(device)), n_blocks)))
+    return max(1, min(SKINNY["max_split"], tiles, int(SKINNY["waves"] * _sm_count(device) / n_blocks + 0.5)))
 
 
 # 16-bit only: in fp32 (the exactness tests' dtype) cuBLAS's F.linear in every loop, eager or compiled
