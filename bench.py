@@ -24,7 +24,8 @@ Modes:
           and what a CUDA graph of N trivial kernels costs on this GPU (the per-node floor).
   layers  one K2.6-shaped MoE block (and the dense layer-0 block) built directly with random weights at the
           real dimensions (INT4 experts as random packed words), a KV cache of several lengths, and the step
-          latency for T = 1, 9, 17, 33 new tokens (tree-masked verify for T > 1) against its byte floor; then a
+          latency for T = 1, 9, 17, 33 new tokens (tree-masked verify for T > 1: eager, CUDA graph back to back,
+          and the graph with a cold L2 as in a step) against its byte floor; then a
           projection to the whole 61-layer model at TP8, with every assumption printed.
   peer    the same layer through transformers' DeepseekV3DecoderLayer (experts dequantized to bf16) at the
           same T and context, and the AR decode of the e2e model through DeepseekV3ForCausalLM: their time /
