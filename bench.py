@@ -898,7 +898,8 @@ def time_block(block: M.Block, args: M.ModelArgs, kind: str, a, device, dtype, b
                          "experts_uniform": None if ids is None else
                          uniform_union(args.n_routed_experts, args.num_experts_per_tok, T),
                          "eager_us": eager * 1e6, "graph_us": None if graph is None else graph * 1e6,
-                         "cold_us": cold, "graph_error": why, "compile_us": None if compiled is None else compiled * 1e6,
+                         "cold_us": cold, "graph_error": why,
+                         "compile_us": None if compiled is None else compiled * 1e6,
                          "compile_error": why_c, "floor_us": floor * 1e6, "mbu": floor / best, "bytes": nbytes,
                          **kern})
     return rows
@@ -1564,10 +1565,10 @@ def bench_kernels(a, device, dtype) -> dict:
         return {"skipped": "needs a CUDA GPU and triton"}
     if a.sweep:
         return kernel_sweep(device, dtype)
-    if a.linear:
-        return linear_table(device, dtype, copy_bandwidth(device, 2**30) / 1e9)
-    tol, rows = 2e-2, []
     bw = copy_bandwidth(device, 2**30) / 1e9                                                  # GB/s
+    if a.linear:
+        return linear_table(device, dtype, bw)
+    tol, rows = 2e-2, []
     print0(f"\n## kernels: {torch.cuda.get_device_name(device)}, {dtype}, tol {tol}; copy bandwidth {bw:.0f} GB/s"
            f" ('% bw' = GB/s / that); graph: CUDA graph replayed back to back (inputs that fit stay in L2); cold:"
            f" after writing twice the L2, as in a model step; GB/s, % bw and TF/s from the cold time")
@@ -1656,7 +1657,7 @@ def linear_table(device, dtype, bw: float) -> dict:
                  [[r["weight"], f"{r['N']} x {r['K']}", r["T"], f"{r['rel_err']:.1e}", _f(r["us"]), _f(r["cublas_us"]),
                    _f(r["floor_us"]), _f(2 * r["N"] * r["K"] / r["us"] / 1e3, ".0f")] for r in rows]))
     for T in (1, 9):
-        five = [r for r in rows[:10] if r["T"] == T]
+        five = [r for r in rows if r["T"] == T][:5]                  # LINEAR_SHAPES' first five: a MoE layer's
         print0(f"T = {T}, the MoE layer's five: linear {sum(r['us'] for r in five):.1f} us, cuBLAS "
                f"{sum(r['cublas_us'] for r in five):.1f} us, floor {sum(r['floor_us'] for r in five):.1f} us")
     return {"copy_GBps": bw, "skinny": dict(kernels.SKINNY), "rows": rows}
