@@ -1320,6 +1320,7 @@ def peer_e2e(a, device, dtype) -> dict:
 
 @torch.no_grad()
 def bench_peer(a, device, dtype) -> dict:
+    kernels.import_transformers()        # Hugging Face's `kernels` package, not ours, for transformers
     scale = _scale(a, device)
     cfg = k26_text_config(scale)
     print0(f"\n## peer: transformers DeepseekV3 vs ours, K2.6 {scale} shapes, TP{a.tp} per-rank, "

@@ -1733,5 +1733,29 @@ def commit_kv(kv_cache, start_pos, accepted, accept_len):
                                               BLOCK_C=min(1024, triton.next_power_of_2(kv_cache.shape[3])), num_warps=4)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The name `kernels` is also Hugging Face's package of hub kernels, which transformers imports when it loads
+# (`from kernels import ...` in transformers.integrations.hub_kernels). With the project root on sys.path that import
+# would find this file. The tests and `bench.py peer` load transformers through import_transformers() instead.
+
+def import_transformers():
+    """Import transformers with this file out of the way: the project root off sys.path and no `kernels` in
+    sys.modules while transformers binds Hugging Face's package, then this module takes its name back."""
+    import importlib
+    import sys
+    if "transformers.integrations.hub_kernels" not in sys.modules:
+        root = os.path.dirname(os.path.abspath(__file__))
+        ours, path = sys.modules.pop("kernels", None), sys.path[:]
+        sys.path[:] = [p for p in path if os.path.abspath(p or os.curdir) != root]
+        try:
+            importlib.import_module("transformers.integrations.hub_kernels")
+        finally:
+            sys.path[:] = path
+            sys.modules.pop("kernels", None)
+            if ours is not None:
+                sys.modules["kernels"] = ours
+    return importlib.import_module("transformers")
+
+
 if __name__ == "__main__":
     print("kernels.py holds the Triton kernels only: run `python bench.py kernels` (GPU self-test and timings)")

@@ -8,6 +8,7 @@ rewrite them with
 Run: python -m pytest -q tests/test_readme.py"""
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,7 @@ FIRST_LINES = 8          # of the headline command's text
 
 def run(command: str) -> str:
     """The command's stdout, as a user on a CPU gets it (float32)."""
+    command = command.replace("python ", shlex.quote(sys.executable) + " ", 1)   # the interpreter running the tests
     proc = subprocess.run(["bash", "-c", f"{command} --device cpu --dtype fp32 --quiet"], cwd=ROOT, env=CPU_ENV,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
