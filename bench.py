@@ -556,7 +556,8 @@ NOOP_COLLECTIVES = {   # name -> what its no-op leaves in the outputs: this rank
 def collectives_not_run(tp: int):
     """Inside: model.world_size = tp and model.rank = 0 with no process group (modules built here get rank 0's
     shapes; their forward calls each collective that TP tp calls), and each torch.distributed function in
-    NOOP_COLLECTIVES is a no-op that counts its calls in the Counter this yields (name -> calls). Nothing crosses
+    NOOP_COLLECTIVES is a no-op that counts its calls in the Counter this yields (name -> calls, and "name bytes" ->
+    the bytes of the tensors they were given). Nothing crosses
     a link and nothing waits for another rank. A collective not listed fails, as without a process group. Used by
     e2e --one-rank-of only; model.py and draft.py are untouched (they look up torch.distributed at each call)."""
     import torch.distributed as dist
@@ -565,6 +566,8 @@ def collectives_not_run(tp: int):
     def counted(name: str, noop):
         def call(*args, **kw):
             counts[name] += 1
+            t = next((x for x in args if isinstance(x, torch.Tensor)), None)   # the message (all_gather: its input)
+            counts[name + " bytes"] += 0 if t is None else t.numel() * t.element_size()
             noop(*args, **kw)
         return call
 
@@ -580,13 +583,15 @@ def collectives_not_run(tp: int):
             setattr(dist, name, fn)
 
 
-def step_collectives(target, drafter, budget: int, sampling: tuple, counts: collections.Counter) -> dict:
-    """The collectives of one decoding step (budget 0: AR; B: DDTree B), counted: a 2-token prefill, then one step
-    run eagerly (the Python that a CUDA graph captures, so a replay makes the same calls). name -> calls."""
+def step_collectives(target, drafter, budget: int, sampling: tuple, counts: collections.Counter,
+                     batch: int = 1) -> dict:
+    """The collectives of one decoding step of `batch` rows (budget 0: AR; B: DDTree B), counted: 2-token prefills,
+    then one step run eagerly (the Python that a CUDA graph captures, so a replay makes the same calls).
+    name -> calls, "name bytes" -> their bytes."""
     import generate as G
     drafter = drafter if budget else None
-    step = G.Step(target, drafter, 1, budget, False, sampling)
-    step.prefill([[0, 1]])
+    step = G.Step(target, drafter, batch, budget, False, sampling)
+    step.prefill([[0, 1]] * batch)
     counts.clear()
     step.run(step.spec if budget else step.ar)
     return dict(counts)
@@ -602,15 +607,17 @@ def bench_one_rank(a, device, dtype) -> dict:
     """e2e --one-rank-of N: rank 0 of TP N in this one process (collectives_not_run): for each --ctx (a synthetic
     prompt of that many tokens), --temperature and step (AR, then DDTree at each --budgets): a warm-up decode
     from its first 16 tokens (kernels compiled, CUDA graphs captured), then a timed decode of --max-new-tokens by
-    generate(mode=--step-mode). ms per step = decode time / steps: all the loop does after the first token. The
-    collectives per step are counted (step_collectives). Projection: tok/s = accept / (ms per step + calls x cost)."""
+    generate(mode=--step-mode). ms per step = decode time / steps: all the loop does after the first token. --batch:
+    each batch size B decodes B such prompts together (generate_batch), and the step's top kernels are profiled. The
+    collectives per step are counted with their bytes (step_collectives). Projection: total tok/s = B x accept /
+    (ms per step + the collectives' time, project_one_rank)."""
     import generate as G
     if M.world_size > 1:
         raise ValueError("--one-rank-of runs in one process: run it without torchrun")
     tp = a.one_rank_of
     ckpt, draft_dir = _e2e_paths(a)
     steps = [0] + (list(a.budgets) if draft_dir else [])
-    widest = max(steps) + 1
+    widest, batches = max(steps) + 1, a.batch or [1]
     with collectives_not_run(tp) as counts:
         target = C.load_model(ckpt, device, dtype, progress=False)
         drafter = C.load_drafter(draft_dir, target.args, device, dtype) if draft_dir else None
@@ -625,93 +632,108 @@ def bench_one_rank(a, device, dtype) -> dict:
                + ("none" if a.warmup == 0 else f"{a.max_new_tokens if a.warmup < 0 else a.warmup} tokens per run "
                   "after the prompt's first 16"))
         G.Step.cache.clear()
-        target.setup_cache(1, 2 + 2 * widest + 8)
+        target.setup_cache(max(batches), 2 + 2 * widest + 8)
         if drafter is not None:
-            drafter.setup_cache(1, 2 + 2 * widest + 8)
-        per_step = {(t, b): step_collectives(target, drafter, b, (t, 0, 1.0), counts)
-                    for t in a.temperature for b in steps}
+            drafter.setup_cache(max(batches), 2 + 2 * widest + 8)
+        per_step = {(t, b, n): step_collectives(target, drafter, b, (t, 0, 1.0), counts, n)
+                    for t in a.temperature for b in steps for n in batches}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         rows = []
-        for ctx in a.ctx:
-            prompt = synthetic_prompt(ctx, target.args.vocab_size, a.seed)
+        for ctx, B in ((ctx, B) for ctx in a.ctx for B in batches):
+            prompts = [synthetic_prompt(ctx, target.args.vocab_size, a.seed + i) for i in range(B)]
             max_seq_len = ctx + a.max_new_tokens + widest + 8
             G.Step.cache.clear()                  # this ctx's caches at their own size, as a real run has them
-            target.setup_cache(1, max_seq_len)
+            target.setup_cache(B, max_seq_len + (widest if B > 1 else 0))
             if drafter is not None:
-                drafter.setup_cache(1, max_seq_len)
+                drafter.setup_cache(B, max_seq_len)
             for temp in a.temperature:
                 for b in steps:
                     kw = dict(drafter=drafter if b else None, budget=b, temperature=temp, max_seq_len=max_seq_len,
                               mode=a.step_mode)
-                    if a.warmup != 0:     # a short prompt: the step's shapes (and graphs) do not depend on it
-                        G.generate(target, prompt[:16], a.max_new_tokens if a.warmup < 0 else a.warmup, **kw)
+                    if a.warmup != 0:     # short prompts: the step's shapes (and graphs) do not depend on them
+                        G.generate_batch(target, [p[:16] for p in prompts],
+                                         a.max_new_tokens if a.warmup < 0 else a.warmup, **kw)
                     st = G.Stats()
-                    G.generate(target, prompt, a.max_new_tokens, stats=st, **kw)
-                    n = len(st.accept_lens)
-                    c = per_step[temp, b]
-                    rows.append({"ctx": ctx, "temperature": temp, "mode": "ddtree" if b else "ar",
+                    G.generate_batch(target, prompts, a.max_new_tokens, stats=st, **kw)
+                    n, c = len(st.step_s), per_step[temp, b, B]
+                    step = G.Step.get(target, kw["drafter"], B, max_seq_len, b, False, (temp, 0, 1.0), a.step_mode)
+                    top = (kernel_times(lambda: step.launch(step.spec if b else step.ar), device, top=6)
+                           if a.batch else {})       # every row has finished: a step now commits nothing
+                    rows.append({"ctx": ctx, "batch": B, "temperature": temp, "mode": "ddtree" if b else "ar",
                                  "budget": b or None, "steps": n, "decode_s": st.decode_s,
                                  "ms_per_step": 1e3 * st.decode_s / n, "mean_accept": st.mean_accept,
                                  "prefill_s": st.prefill_s, "all_reduce": c.get("all_reduce", 0),
-                                 "all_gather": c.get("all_gather", 0), "collectives": sum(c.values()),
-                                 "collective_calls": c})
+                                 "all_gather": c.get("all_gather", 0),
+                                 "collectives": sum(v for k, v in c.items() if not k.endswith("bytes")),
+                                 "collective_bytes": sum(v for k, v in c.items() if k.endswith("bytes")),
+                                 "collective_calls": c, "top_kernels": top.get("top_kernels")})
         G.Step.cache.clear()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    proj = project_one_rank(rows, a.accept, a.allreduce_us)
-    print_one_rank(tp, rows, proj, a.accept, a.allreduce_us, weights, peak,
+    proj = project_one_rank(rows, a.accept, a.allreduce_us, a.allreduce_gbps, tp)
+    print_one_rank(tp, rows, proj, a.accept, a.allreduce_us, a.allreduce_gbps, weights, peak,
                    a.step_mode == "eager" and device.type == "cuda")
     return {"one_rank_of": tp, "rank": 0, "collectives_run": False, "statement": COLLECTIVES_NOT_RUN,
             "target": ckpt, "draft": draft_dir, "dtype": str(dtype).replace("torch.", ""),
-            "step_mode": a.step_mode, "max_new_tokens": a.max_new_tokens, "ctx": a.ctx, "accept": a.accept,
-            "allreduce_us": a.allreduce_us, "weights_bytes": weights, "cuda_max_allocated_bytes": peak,
+            "step_mode": a.step_mode, "max_new_tokens": a.max_new_tokens, "ctx": a.ctx, "batch": batches,
+            "accept": a.accept, "allreduce_us": a.allreduce_us, "allreduce_gbps": a.allreduce_gbps, "weights_bytes": weights, "cuda_max_allocated_bytes": peak,
             "rows": rows, "projection": proj}
 
 
-COLLECTIVES_NOT_RUN = ("the collectives did not run: each was a no-op that counted its calls; the step times "
-                       "exclude them and the tok/s add them at a stated cost per call (--allreduce-us)")
+COLLECTIVES_NOT_RUN = ("the collectives did not run: each was a no-op that counted its calls and bytes; the step "
+                       "times exclude them and the tok/s add them at a stated latency per call plus the ring's bytes "
+                       "at a stated bus bandwidth (--allreduce-us, --allreduce-gbps)")
 
 
-def project_one_rank(rows: list[dict], accepts: list[float], costs_us: list[float]) -> list[dict]:
-    """Per measured row and per cost per collective: step ms = measured ms + collectives x cost; tok/s = tokens per
-    step / step ms, where tokens per step is 1 for AR and each of `accepts` for DDTree (acceptance measured on
-    random weights means nothing, so it is given, not taken from the run). Every collective (the lm_head's
-    all-gather too) is charged as one all-reduce."""
+def project_one_rank(rows: list[dict], accepts: list[float], costs_us: list[float], bus_gbps: float,
+                     tp: int) -> list[dict]:
+    """Per measured row and per latency: step ms = measured ms + the collectives' time, each call `cost` us plus its
+    bytes x 2(tp-1)/tp (what a ring moves per rank) over the bus bandwidth; total tok/s = batch x tokens per step /
+    step ms, where tokens per step is 1 for AR and each of `accepts` for DDTree (acceptance measured on random
+    weights means nothing, so it is given, not taken from the run). Every collective (the lm_head's all-gather too)
+    is charged as one all-reduce."""
     out = []
     for r in rows:
         for cost in costs_us:
-            comm_ms = r["collectives"] * cost / 1e3
+            ring_ms = r["collective_bytes"] * 2 * (tp - 1) / tp / (bus_gbps * 1e9) * 1e3
+            comm_ms = r["collectives"] * cost / 1e3 + ring_ms
             ms = r["ms_per_step"] + comm_ms
             for acc in ([1.0] if r["mode"] == "ar" else accepts):
-                out.append({"ctx": r["ctx"], "temperature": r["temperature"], "mode": r["mode"],
-                            "budget": r["budget"], "accept": acc, "allreduce_us": cost,
+                out.append({"ctx": r["ctx"], "batch": r["batch"], "temperature": r["temperature"],
+                            "mode": r["mode"], "budget": r["budget"], "accept": acc, "allreduce_us": cost,
                             "ms_per_step": r["ms_per_step"], "comm_ms": comm_ms, "step_ms": ms,
-                            "tokens_per_s_no_comm": 1e3 * acc / r["ms_per_step"], "tokens_per_s": 1e3 * acc / ms})
+                            "tokens_per_s_no_comm": 1e3 * acc * r["batch"] / r["ms_per_step"],
+                            "tokens_per_s": 1e3 * acc * r["batch"] / ms})
     return out
 
 
 def print_one_rank(tp: int, rows: list[dict], proj: list[dict], accepts: list[float], costs_us: list[float],
-                   weights: int, peak: int | None, eager_cuda: bool) -> None:
+                   bus_gbps: float, weights: int, peak: int | None, eager_cuda: bool) -> None:
     step = lambda r: f"DDTree {r['budget']}" if r["budget"] else "AR"
-    print0(table(["ctx", "temp", "step", "steps", "ms/step", "all-reduces/step", "all-gathers/step",
-                  "collectives/step", "accept here", "prefill s"],
-                 [[r["ctx"], _f(r["temperature"], "g"), step(r), r["steps"], _f(r["ms_per_step"], ".2f"),
-                   r["all_reduce"], r["all_gather"], r["collectives"], _f(r["mean_accept"], ".2f"),
-                   _f(r["prefill_s"], ".2f")] for r in rows]))
+    print0(table(["ctx", "batch", "temp", "step", "steps", "ms/step", "all-reduces/step", "all-gathers/step",
+                  "collectives/step", "MB/step", "accept here", "prefill s"],
+                 [[r["ctx"], r["batch"], _f(r["temperature"], "g"), step(r), r["steps"], _f(r["ms_per_step"], ".2f"),
+                   r["all_reduce"], r["all_gather"], r["collectives"], _f(r["collective_bytes"] / 1e6, ".2f"),
+                   _f(r["mean_accept"], ".2f"), _f(r["prefill_s"], ".2f")] for r in rows]))
     print0(f"ms/step: measured on rank 0 of TP{tp} with the collectives not run (decode time / steps"
            + ("; eager: the clock synchronizes the GPU after every stage" if eager_cuda else "") + "); "
-           f"collectives/step: counted, one step of each kind run eagerly; accept here: on a synthetic prompt "
-           f"(and random weights for random:<name>), not a quality figure"
+           f"collectives/step and their MB: counted, one step of each kind run eagerly; accept here: on synthetic "
+           f"prompts (and random weights for random:<name>), not a quality figure"
            + (f"; peak CUDA memory {peak / 2**30:.2f} GiB ({weights / 2**30:.2f} GiB weights)" if peak else ""))
-    print0(f"\nprojected TP{tp} decode, NOT MEASURED: tok/s = accept / (ms/step + collectives/step x cost), every "
-           f"collective at {', '.join(f'{c:g}' for c in costs_us)} us (--allreduce-us: a given cost, not measured "
-           f"here; `torchrun ... bench.py allreduce` measures one); AR commits 1 token per step, DDTree the given "
-           f"accept ({', '.join(f'{x:g}' for x in accepts)}; --accept)")
-    print0(table(["ctx", "temp", "step", "accept", "cost us", "ms/step", "+ comm ms", "= ms/step", "tok/s no comm",
-                  "tok/s"],
-                 [[p["ctx"], _f(p["temperature"], "g"), step(p), _f(p["accept"], "g"), _f(p["allreduce_us"], "g"),
-                   _f(p["ms_per_step"], ".2f"), _f(p["comm_ms"], ".2f"), _f(p["step_ms"], ".2f"),
-                   _f(p["tokens_per_s_no_comm"]), _f(p["tokens_per_s"])] for p in proj]))
+    for r in rows:
+        if r.get("top_kernels"):
+            print0(f"  top kernels, ctx {r['ctx']} batch {r['batch']} {step(r)} (us per step): "
+                   + "; ".join(f"{name} {us}" for name, us in r["top_kernels"]))
+    print0(f"\nprojected TP{tp} decode, NOT MEASURED: total tok/s = batch x accept / (ms/step + comm), comm = every "
+           f"collective at {', '.join(f'{c:g}' for c in costs_us)} us (--allreduce-us) + its bytes x 2({tp}-1)/{tp} "
+           f"at {bus_gbps:g} GB/s (--allreduce-gbps, a ring's bus bandwidth): given figures, not measured here "
+           f"(`torchrun ... bench.py allreduce` measures them); AR commits 1 token per row and step, DDTree the "
+           f"given accept ({', '.join(f'{x:g}' for x in accepts)}; --accept)")
+    print0(table(["ctx", "batch", "temp", "step", "accept", "cost us", "ms/step", "+ comm ms", "= ms/step",
+                  "tok/s no comm", "tok/s"],
+                 [[p["ctx"], p["batch"], _f(p["temperature"], "g"), step(p), _f(p["accept"], "g"),
+                   _f(p["allreduce_us"], "g"), _f(p["ms_per_step"], ".2f"), _f(p["comm_ms"], ".2f"),
+                   _f(p["step_ms"], ".2f"), _f(p["tokens_per_s_no_comm"]), _f(p["tokens_per_s"])] for p in proj]))
     print0(COLLECTIVES_NOT_RUN)
 
 
@@ -1573,14 +1595,15 @@ def bench_kernels(a, device, dtype) -> dict:
     print0(f"\n## kernels: {torch.cuda.get_device_name(device)}, {dtype}, tol {tol}; copy bandwidth {bw:.0f} GB/s"
            f" ('% bw' = GB/s / that); graph: CUDA graph replayed back to back (inputs that fit stay in L2); cold:"
            f" after writing twice the L2, as in a model step; GB/s, % bw and TF/s from the cold time")
-    print0(f"\nINT4 MoE: GB/s = INT4 weights + scales of the used experts / time; T <= {kernels.MOE_GEMV_MAX_T}: the "
-           f"GEMV path, above: tl.dot\n{'I':>5} {'T':>3} {'experts':>7} {'rel err':>9} {'eager us':>9} "
+    print0(f"\nINT4 MoE: GB/s = INT4 weights + scales of the used experts / time; fewer than "
+           f"{kernels.MOE_MMA_MIN_PAIRS} (token, expert) pairs: the GEMV path, else tensor-core tiles\n"
+           f"{'I':>5} {'T':>3} {'experts':>7} {'rel err':>9} {'eager us':>9} "
            f"{'graph us':>9} {'cold us':>8} {'GB/s':>7} {'% bw':>6}")
     E, D, K, G = 384, 7168, 8, 32
     for I in (256, 2048):
         weights = rand_experts(E, D, I, G, dtype, device)
         expert_bytes = sum(w[0].numel() * w.element_size() for w in weights)
-        for T in (1, 9, 17, 33, 64, 128):
+        for T in (1, 9, 17, 33, 64, 128, 576):
             def case():
                 x = torch.randn(T, D, device=device, dtype=dtype)
                 x[0, 5] = 1e4 if T == 1 else x[0, 5]     # an outlier: fp16 activations must be scaled, not overflow
@@ -1697,6 +1720,22 @@ def kernel_sweep(device, dtype) -> dict:
     run(kernels.MOE_GEMV_BLOCKS, "down", grid, moe)
     del weights, moe
     _free(device)
+    weights, moe = rand_experts(E, D, 256, 32, dtype, device), {}
+    for T in (64, 576):                                  # one tree of 64 nodes; B = 64 trees of 9
+        x = torch.randn(T, D, device=device, dtype=dtype)
+        w, ids = torch.rand(T, E, device=device).topk(K, dim=-1)
+        moe[(256, T)] = (lambda a: lambda: kernels.fused_moe_w4a16(*a))((x, ids, w.float().contiguous(), *weights))
+    print0(f"\nINT4 MoE (tensor-core path), us at (I, T) = {list(moe)}; defaults {kernels.MOE_MMA_BLOCKS}")
+    grid = [dict(BLOCK_N=n, BLOCK_W=w, num_warps=nw, num_stages=st)
+            for n in (32, 64, 128) for w in (16, 32) for nw in (4, 8) for st in (2, 3, 4)]
+    min_pairs, kernels.MOE_MMA_MIN_PAIRS = kernels.MOE_MMA_MIN_PAIRS, 0
+    try:
+        run(kernels.MOE_MMA_BLOCKS, "gate_up", grid, moe)
+        run(kernels.MOE_MMA_BLOCKS, "down", grid, moe)
+    finally:
+        kernels.MOE_MMA_MIN_PAIRS = min_pairs
+    del weights, moe
+    _free(device)
 
     R, P, attn = 512, 64, {}
     for H, T, prefix in ((8, 1, 32768), (8, 9, 32768), (8, 17, 32768), (8, 33, 32768), (64, 9, 4096)):
@@ -1783,10 +1822,10 @@ def main(argv: list[str] | None = None) -> dict:
         fn = {"e2e": bench_e2e, "layers": bench_layers, "moe-split": bench_moe_split, "draft": bench_draft,
               "allreduce": bench_allreduce, "peer": bench_peer, "tree": bench_tree, "step": bench_step,
               "kernels": bench_kernels}[mode]
-        if mode == "e2e" and a.batch:
-            fn = bench_batch
-        elif mode == "e2e" and a.one_rank_of is not None:
+        if mode == "e2e" and a.one_rank_of is not None:
             fn = bench_one_rank
+        elif mode == "e2e" and a.batch:
+            fn = bench_batch
         try:
             result[mode] = fn(a, device, dtype)
         except FileNotFoundError as e:
@@ -1847,6 +1886,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "decoding step (AR and DDTree at each --budgets; synthetic prompts of each --ctx tokens). The "
                    "collectives do NOT run: each is a no-op that counts its calls; their cost is projected at "
                    "--allreduce-us per call")
+    o.add_argument("--allreduce-gbps", type=float, default=360.0,
+                   help="--one-rank-of: a collective's bus bandwidth in GB/s for the projection (ring bytes per rank "
+                   "= message x 2(N-1)/N), beside --allreduce-us per call")
     o.add_argument("--accept", type=_floats, default=[4.48, 5.3],
                    help="--one-rank-of: accept lengths (tokens per DDTree step) to project tok/s at")
     s = p.add_argument_group("step (the e2e pair and its first prompt)")
@@ -1940,8 +1982,10 @@ def check_one_rank_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> No
     n = a.one_rank_of
     if n < 1:
         p.error(f"--one-rank-of must be a tensor-parallel size >= 1, got {n}")
-    if a.mode != "e2e" or a.batch:
-        p.error("--one-rank-of: e2e only (not --batch)")
+    if a.mode != "e2e":
+        p.error("--one-rank-of: e2e only")
+    if not a.allreduce_gbps > 0 or a.allreduce_gbps == float("inf"):
+        p.error(f"--allreduce-gbps: a finite bandwidth > 0, got {a.allreduce_gbps}")
     if "auto" in a.budgets:
         p.error("--one-rank-of times fixed steps: --budgets takes node budgets, not auto")
     if a.max_new_tokens < 2:

@@ -16,6 +16,7 @@ accept and commit).
     python -m pytest -q tests/test_kernels.py    # every kernel vs its reference (CPU: under TRITON_INTERPRET=1)
     python bench.py kernels [--sweep]            # GPU: K2.6 shapes, error and timings; launch-config sweep
 """
+import contextlib
 import functools
 import os
 import types
@@ -42,8 +43,9 @@ _REFS: dict = {}        # reference name -> the reference, which a host path cal
 
 def fast(ref):
     """Decorator for a stage file's reference op: calls go to its kernel, else its host path, where the switch is on and
-    that path fits the arguments; else to ref itself. `op.ref` is the reference (tests use it)."""
-    name = ref.__name__
+    that path fits the arguments; else to ref itself. `op.ref` is the reference (tests use it). A method is
+    registered under its class: "MoE.local"."""
+    name = ref.__qualname__
     _REFS[name] = ref
 
     @functools.wraps(ref)
@@ -694,8 +696,8 @@ def _stream_counters(device) -> torch.Tensor:
 
 def _route_launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float, sort: bool,
                   x: torch.Tensor | None = None):
-    """logits [N, E] fp32 -> (weights, ids); sort: ids.moe_pairs = the pairs sorted by expert (_moe_sort's output);
-    x [N, D] (16-bit): ids.moe_prep = (x, its version, x packed for the MoE GEMV: _prep_f16's output)"""
+    """logits [N, E] fp32 -> (weights, ids, pairs, prep): sort: pairs = the pairs sorted by expert (_moe_sort's
+    output), else None; x [N, D] (16-bit): prep = x packed for the MoE GEMV (_prep_f16's output), else None."""
     (N, E), D = logits.shape, (x.shape[1] if x is not None else 8)
     xk, xs = _prep_buffers(N, D, logits.device) if x is not None else (logits, logits)
     w = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
@@ -711,20 +713,12 @@ def _route_launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bo
                                    BINS=triton.next_power_of_2(E + 1),
                                    S_POW2=triton.next_power_of_2(max(slots.shape[0], 1)), PREP=x is not None,
                                    D_POW2=triton.next_power_of_2(D), PREP_W=PREP_BLOCK_W, **_pdl(logits.device))
-    if sort:
-        ids.moe_pairs = (pair_ids, slots)
-    if x is not None:
-        ids.moe_prep = (x, x._version, xk, xs)
-    return w, ids
+    return w, ids, (pair_ids, slots) if sort else None, (xk, xs) if x is not None else None
 
 
-# group-limited routing (n_group > 1, DeepSeek-V3) stays with the reference: K2 / K2.6 use one group
-@register("router_topk", fits=lambda x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1: (
-    _glue(x) and n_group == 1 and x.dim() == 2 and weight.dtype == bias.dtype == torch.float32
-    and weight.shape[0] <= ROUTER_MAX_BLOCKS * ROUTER_BLOCKS["BLOCK_E"]))
-def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
-    """Decode / verify: the returned ids carry `moe_pairs` = (pair_ids, slots), the pairs sorted by expert
-    (_moe_sort's output), for fused_moe_w4a16."""
+def _route(x, weight, bias, top_k, norm, scale, prep: bool = False):
+    """router_topk's work -> (weights, ids, pairs, prep) as _route_launch gives them. Decode / verify sizes: two
+    launches (the router matmul; the route, which also sorts the pairs and, with prep, packs x for the GEMV)."""
     (N, D), E = x.shape, weight.shape[0]
     x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
     if N > ROUTER_MAX_T or N == 0:
@@ -740,10 +734,20 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
     _router_kernel[(n_eb, n_split)](x, weight, part, logits, _counters(x.device), N, E, D, d_split,
                                     N_SPLIT=n_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED, **cfg,
                                     **_pdl(x.device))
-    prep = (ROUTE_PREP and x.dtype in (torch.float16, torch.bfloat16) and N <= MOE_GEMV_MAX_T and D % 8 == 0
-            and not x.is_inference())
+    prep = prep and ROUTE_PREP and x.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0
     return _route_launch(logits, bias, top_k, norm, scale, sort=N * top_k <= MOE_SORT_MAX_PAIRS,
                          x=x if prep else None)
+
+
+def _router_fits(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1) -> bool:
+    # group-limited routing (n_group > 1, DeepSeek-V3) stays with the reference: K2 / K2.6 use one group
+    return (_glue(x) and n_group == 1 and x.dim() == 2 and weight.dtype == bias.dtype == torch.float32
+            and weight.shape[0] <= ROUTER_MAX_BLOCKS * ROUTER_BLOCKS["BLOCK_E"])
+
+
+@register("router_topk", fits=_router_fits)
+def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
+    return _route(x, weight, bias, top_k, norm, scale)[:2]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -753,25 +757,26 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
 # The T*K (token, k) pairs are grouped by expert on the GPU with fixed-shape ops (_moe_sort; no host sync), and
 # program `slot` of every grid serves the slot-th *used* expert for all its pairs: an expert that several tokens
 # chose (a tree's siblings route alike) is read from HBM once, then from L2.
-# Decode / verify (T <= MOE_GEMV_MAX_T, 16-bit activations): a bandwidth-bound GEMV, no tl.dot and no dequantized
+# Few pairs (decode / verify at one request, 16-bit activations): a bandwidth-bound GEMV, no tl.dot and no dequantized
 # tile: each int32 word is reduced against its 8 activations where it was loaded (row strides as arguments: 128-bit
 # loads), with Marlin's f16x2 trick in PTX (_DEQUANT_DOT_PTX) on activations packed and scaled by _prep_block (x: in
 # the router's route launch where it ran on this x, else in _moe_prep_f16); a run of 4 words (one scale group) is
 # summed in f16x2, converted to fp32 once; no load masks when tiles fit (EVEN).
 # Stage 1 (gate | up) may split D over SPLIT_K programs when few experts are live (TP8 decode); _moe_prep_f16 then
 # sums the slices, applies SwiGLU, packs h for stage 2 (down, x routing weight).
-# Prefill (T > MOE_GEMV_MAX_T) and fp32 activations: tiles of BLOCK_M pairs x BLOCK_N rows dequantized in registers
-# and fed to tl.dot: the weights are read once per 16 pairs. The interpreter (CPU tests) cannot run PTX: there the
-# GEMV uses _dequant_dot_portable, the same data in plain Triton. Per-pair buffers, no atomics: the same bits each run.
+# Many pairs (MOE_MMA_MIN_PAIRS on: batches, prefill) and fp32 activations: each weight tile is dequantized in
+# registers once and meets all its expert's pairs (BLOCK_M at a time) in tensor-core dots; SwiGLU is applied where
+# gate and up leave the gate | up GEMM, so h goes to the down GEMM in one store. The interpreter (CPU tests) cannot
+# run PTX: there the GEMV uses _dequant_dot_portable, the same data in plain Triton. Per-pair buffers, no atomics:
+# the same bits each run.
 
-MOE_GEMV_MAX_T = 64
 MOE_GEMV_BLOCKS = dict(gate_up=dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=2),    # BLOCK_W int32 words
                        down=dict(BLOCK_N=64, BLOCK_W=64, num_warps=4, num_stages=2))        # = 8 * BLOCK_W columns
 MOE_GEMV_MIN_SPLIT_K = 2   # stage 1's least split over D at T > 1 (verify); decode keeps _split_k's choice
-MOE_BLOCKS = dict(gate_up=dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),   # the tl.dot path: BLOCK_K a
-                  down=dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2))      # multiple of the group
+MOE_MMA_BLOCKS = dict(gate_up=dict(BLOCK_N=64, BLOCK_W=16, num_warps=4, num_stages=3),   # the tensor-core path:
+                      down=dict(BLOCK_N=64, BLOCK_W=16, num_warps=4, num_stages=3))      # BLOCK_W int32 words
+MOE_MMA_MIN_PAIRS = 513    # from this many (token, expert) pairs on, the tensor-core path (16-bit activations)
 MOE_MAX_SPLIT_K = 8
-MOE_BLOCK_M = 16           # pairs per tile of the tl.dot path (its smallest tile); more pairs loop
 MOE_SORT_MAX_PAIRS = 1024  # up to here the pairs are sorted by one program (_moe_sort_kernel); prefill: torch.sort
 MOE_PTX = not INTERPRETED and torch.version.hip is None                   # PTX only on NVIDIA hardware
 
@@ -1034,81 +1039,83 @@ def _moe_down_gemv(hk_ptr, hs_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, sl
         tl.store(y_ptr + pair * D + offs_n, y, mask=n_mask)
 
 
-# --- prefill path (and fp32 activations): tl.dot on dequantized tiles ---
+# --- many rows per expert (batches, prefill) and fp32 activations: tensor-core tiles ---
 
 @triton.jit
-def _int4_tile(w_rows, s_rows, k0, n_mask, n_cols, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    # [BLOCK_N, BLOCK_K] tile of W [O, n_cols] (columns k0 .. k0+BLOCK_K, rows at w_rows / s_rows [BLOCK_N, 1]),
-    # dequantized in registers: loads run along the rows (coalesced), then each word fans out into its 8 columns
-    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    word = tl.load(w_rows + offs_w[None, :], mask=n_mask[:, None] & (offs_w < n_cols // 8)[None, :], other=0)
-    q = (word[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF         # [BLOCK_N, BLOCK_K/8, 8]
-    q = tl.reshape(q - 8, (q.shape[0], BLOCK_K // GROUP, GROUP))                  # column 8k+i -> (k, i) row-major
-    offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    s = tl.load(s_rows + offs_g[None, :], mask=n_mask[:, None] & (offs_g < n_cols // GROUP)[None, :], other=0.0)
-    w = (q.to(tl.float32) * s.to(tl.float32)[:, :, None]).to(s.dtype)           # exact product, one rounding (= ref)
-    return tl.reshape(w, (q.shape[0], BLOCK_K))                                   # masked tail: scale 0 -> w 0
+def _int4_plane(words, s, i: tl.constexpr, dtype: tl.constexpr):
+    # nibble i of each word [BN, BW] -> the weights of columns 8w + i, times their group scales s [BN, BW] (fp32):
+    # one rounding to the activations' dtype, as the reference's dequantization. Taking the columns of a tile as 8
+    # planes of stride 8 (x read at the same columns) needs no shuffle of registers: a dot sums in any order.
+    q = ((words >> (4 * i)) & 0xF) - 8
+    return (q.to(tl.float32) * s).to(dtype)
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gu_ptr, pair_ptr, slots_ptr, D, I, K, P,
-                        GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    # Program (slot, pid_n, split): rows pid_n*BLOCK_N.. of gate and of up for the slot-th used expert, summed over
-    # the split-th slice of D, stored to gu[split, pair] (gate in columns 0..I-1, up in I..2I-1).
+def _int4_mma(a_rows, m_mask, w_rows, s_rows, n_mask, n_words, acc, GW: tl.constexpr, BLOCK_W: tl.constexpr):
+    # acc [BM, BN] += A [BM, 8 n_words] (rows a_rows [BM, 1]) @ W^T, W [BN, 8 n_words] INT4 (w_rows / s_rows [BN, 1]):
+    # each weight tile is loaded and dequantized once for all BM rows, then 8 tensor-core dots, one per plane
+    for w0 in range(0, n_words, BLOCK_W):
+        ww = w0 + tl.arange(0, BLOCK_W)
+        w_mask = n_mask[:, None] & (ww < n_words)[None, :]
+        words = tl.load(w_rows + ww[None, :], mask=w_mask, other=0)                          # [BN, BW] int32
+        s = tl.load(s_rows + (ww // GW)[None, :], mask=w_mask, other=0.0).to(tl.float32)     # its scale per word
+        for i in tl.static_range(8):
+            a = tl.load(a_rows + (8 * ww + i)[None, :], mask=m_mask[:, None] & (ww < n_words)[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(_int4_plane(words, s, i, a.dtype)), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _moe_gate_up_mma(x_ptr, w_ptr, s_ptr, h_ptr, pair_ptr, slots_ptr, D, I, K,
+                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                     PDL: tl.constexpr):
+    # Program (slot, pid_n): rows pid_n*BLOCK_N.. of gate and of up of the slot-th used expert, for BLOCK_M of its
+    # pairs at a time -> h[pair] = SwiGLU = silu(gate) * up, in x's dtype (the down GEMM's input)
+    _gdc(PDL)
     e, start, count = _load_slot(slots_ptr)
     if count == 0:
         return
-    split = tl.program_id(2)
-    k_len = tl.cdiv(tl.cdiv(D, BLOCK_K), SPLIT_K) * BLOCK_K                  # a whole number of tiles per split
+    GW: tl.constexpr = GROUP // 8
+    DW, DG = D // 8, D // GROUP
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    w_gate = w_ptr + e * (2 * I * (D // 8)) + offs_n[:, None] * (D // 8)   # gate rows 0..I-1, up rows I..2I-1
-    s_gate = s_ptr + e * (2 * I * (D // GROUP)) + offs_n[:, None] * (D // GROUP)
-    w_up, s_up = w_gate + I * (D // 8), s_gate + I * (D // GROUP)
-    for m0 in range(0, count, BLOCK_M):  # usually one pass: few pairs per expert
+    w_gate = w_ptr + e * (2 * I) * DW + offs_n[:, None] * DW                 # gate rows 0..I-1, up rows I..2I-1
+    s_gate = s_ptr + e * (2 * I) * DG + offs_n[:, None] * DG
+    for m0 in range(0, count, BLOCK_M):                                       # usually one pass
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < count
-        pair = tl.load(pair_ptr + start + offs_m, mask=m_mask, other=0)    # pair = t*K + k
-        tok = pair // K
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(split * k_len, tl.minimum(split * k_len + k_len, D), BLOCK_K):  # empty slice: zeros
-            kk = k0 + offs_k
-            x = tl.load(x_ptr + tok[:, None] * D + kk[None, :], mask=m_mask[:, None] & (kk < D)[None, :], other=0.0)
-            wg = _int4_tile(w_gate, s_gate, k0, n_mask, D, GROUP, BLOCK_K)            # [BLOCK_N, BLOCK_K]
-            wu = _int4_tile(w_up, s_up, k0, n_mask, D, GROUP, BLOCK_K)
-            acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision="ieee")  # "ieee" only matters for fp32 inputs
-            acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
-        gu_rows = gu_ptr + (split * P + pair)[:, None] * (2 * I) + offs_n[None, :]
-        tl.store(gu_rows, acc_g, mask=m_mask[:, None] & n_mask[None, :])
-        tl.store(gu_rows + I, acc_u, mask=m_mask[:, None] & n_mask[None, :])
+        pair = tl.load(pair_ptr + start + offs_m, mask=m_mask, other=0)      # pair = t*K + k
+        x_rows = x_ptr + (pair // K)[:, None] * D
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        g = _int4_mma(x_rows, m_mask, w_gate, s_gate, n_mask, DW, zeros, GW, BLOCK_W)
+        u = _int4_mma(x_rows, m_mask, w_gate + I * DW, s_gate + I * DG, n_mask, DW, zeros, GW, BLOCK_W)
+        h = g * tl.sigmoid(g) * u
+        tl.store(h_ptr + pair[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, slots_ptr, D, I,
-                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Program (slot, pid_n): output columns pid_n*BLOCK_N.. of down_proj for the slot-th used expert.
+def _moe_down_mma(h_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, slots_ptr, D, I,
+                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                  PDL: tl.constexpr):
+    # Program (slot, pid_n): output columns pid_n*BLOCK_N.. of down_proj for the slot-th used expert's pairs, times
+    # each pair's routing weight -> y[pair] (fp32)
+    _gdc(PDL)
     e, start, count = _load_slot(slots_ptr)
     if count == 0:
         return
+    GW: tl.constexpr = GROUP // 8
+    IW, IG = I // 8, I // GROUP
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < D
-    offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + e * (D * (I // 8)) + offs_n[:, None] * (I // 8)
-    s_rows = s_ptr + e * (D * (I // GROUP)) + offs_n[:, None] * (I // GROUP)
+    w_rows = w_ptr + e * D * IW + offs_n[:, None] * IW
+    s_rows = s_ptr + e * D * IG + offs_n[:, None] * IG
     for m0 in range(0, count, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < count
         pair = tl.load(pair_ptr + start + offs_m, mask=m_mask, other=0)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            kk = k0 + offs_k
-            w = _int4_tile(w_rows, s_rows, k0, n_mask, I, GROUP, BLOCK_K)             # [BLOCK_N, BLOCK_K]
-            # h goes in at the activation dtype (the "A16"), as the bf16 expert MLP of the reference model does
-            h = tl.load(h_ptr + pair[:, None] * I + kk[None, :], mask=m_mask[:, None] & (kk < I)[None, :], other=0.0)
-            acc = tl.dot(h.to(w.dtype), tl.trans(w), acc, input_precision="ieee")
+        acc = _int4_mma(h_ptr + pair[:, None] * I, m_mask, w_rows, s_rows, n_mask, IW,
+                        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), GW, BLOCK_W)
         acc = acc * tl.load(topk_w_ptr + pair, mask=m_mask, other=0.0)[:, None]
         tl.store(y_ptr + pair[:, None] * D + offs_n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
 
@@ -1145,21 +1152,23 @@ def _moe_gemv(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group
         **_pdl(x.device))
 
 
-def _moe_dot(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y, prep=None):
+def _mma_block_m(P: int, n_slots: int) -> int:
+    # pairs per tile: the mean pairs per used expert, as a power of two in [16, 64] (16: tl.dot's least)
+    return min(64, max(16, triton.next_power_of_2(triton.cdiv(P, max(n_slots, 1)))))
+
+
+def _moe_mma(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y, prep=None):
     (T, D), P, n_slots, I = x.shape, y.shape[0], slots.shape[0], w13_packed.shape[1] // 2
-    K = P // T
-    cfg = MOE_BLOCKS["gate_up"]
-    n_blocks = triton.cdiv(I, cfg["BLOCK_N"])
-    split_k = _split_k(triton.cdiv(D, cfg["BLOCK_K"]), n_slots * n_blocks, x.device)
-    gu = _empty((split_k, P, 2 * I), torch.float32, x.device)
-    _moe_gate_up_kernel[(n_slots, n_blocks, split_k)](
-        x, w13_packed, w13_scale, gu, pair_ids, slots, D, I, K, P,
-        GROUP=group_size, SPLIT_K=split_k, BLOCK_M=MOE_BLOCK_M, **cfg)
-    gate, up = gu.sum(0).chunk(2, dim=-1)
-    h = F.silu(gate) * up                                                     # [P, I] fp32
-    cfg = MOE_BLOCKS["down"]
-    _moe_down_kernel[(n_slots, triton.cdiv(D, cfg["BLOCK_N"]))](
-        h, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I, GROUP=group_size, BLOCK_M=MOE_BLOCK_M, **cfg)
+    block_m = _mma_block_m(P, n_slots)
+    h = _empty((P, I), x.dtype, x.device)                                    # SwiGLU per pair
+    cfg = MOE_MMA_BLOCKS["gate_up"]
+    _moe_gate_up_mma[(n_slots, triton.cdiv(I, cfg["BLOCK_N"]))](
+        x, w13_packed, w13_scale, h, pair_ids, slots, D, I, P // max(T, 1), GROUP=group_size, BLOCK_M=block_m, **cfg,
+        **_pdl(x.device))
+    cfg = MOE_MMA_BLOCKS["down"]
+    _moe_down_mma[(n_slots, triton.cdiv(D, cfg["BLOCK_N"]))](
+        h, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I, GROUP=group_size, BLOCK_M=block_m, **cfg,
+        **_pdl(x.device))
 
 
 @triton.jit
@@ -1237,56 +1246,82 @@ def _side_stream(device) -> "torch.cuda.Stream":
     return _SIDE[device]
 
 
-def _int4_experts_fits(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32,
-                       out=None, shared=None):
+def _int4_weights_fit(x, w13_packed, w13_scale, w2_packed, w2_scale, group_size) -> bool:
     D, I = x.shape[1], w2_packed.shape[-1] * 8
     return (_gpu(x) and D % group_size == 0 and I % group_size == 0 and group_size % 8 == 0
-            and all(c["BLOCK_K"] % group_size == 0 for c in MOE_BLOCKS.values())
             and all(8 * c["BLOCK_W"] % group_size == 0 for c in MOE_GEMV_BLOCKS.values())
-            and x.dtype == w13_scale.dtype == w2_scale.dtype and topk_ids.dtype == torch.int64
-            and topk_weights.dtype == torch.float32 and (out is None or out.is_contiguous())
+            and x.dtype == w13_scale.dtype == w2_scale.dtype
             and all(w.is_contiguous() for w in (w13_packed, w13_scale, w2_packed, w2_scale)))
 
 
-# opaque to torch.compile: inductor would rebuild the kernels from their source, inline PTX included
-@register("int4_experts", fits=_int4_experts_fits)
-@torch.compiler.disable
-def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32, out=None,
-                    shared=None):
-    """x [T, D], topk_ids / topk_weights [T, K] -> [T, D] fp32 = sum_k weight * SwiGLU expert_k(x) (+ shared(x),
-    the shared experts, run on a side stream beside the routed launches and added in the pass that sums the pairs:
-    in a CUDA graph, two branches)."""
-    (T, D), K, E = x.shape, topk_ids.shape[1], w13_packed.shape[0]
-    pairs = getattr(topk_ids, "moe_pairs", None)          # sorted by the router's launch (router_topk), if it ran
-    prep = getattr(topk_ids, "moe_prep", None)            # x packed by that launch, if this x, unchanged since
-    prep = prep[2:] if prep is not None and prep[0] is x and prep[1] == x._version else None
-    x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
-    main = torch.cuda.current_stream(x.device) if x.is_cuda else None
-    if shared is not None and main is not None:
-        side = _side_stream(x.device)
-        side.wait_stream(main)                   # x is ready
-        with torch.cuda.stream(side):
-            shared_out = shared(x)
-    elif shared is not None:
-        shared_out = shared(x)
-    if out is None:
-        out = torch.empty(T, D, dtype=torch.float32, device=x.device)
-    if pairs is None or pairs[1].shape[0] != min(E, T * K):                  # (or routed over other experts)
-        pairs = _moe_sort(topk_ids, E)
-    pair_ids, slots = pairs
+def _gemv_wins(x: torch.Tensor, P: int) -> bool:
+    """Few (token, expert) pairs: the GEMV, at the weights' bandwidth; many: tensor-core tiles, which read each
+    expert once for all its pairs (the GEMV takes them one after another)."""
+    return x.dtype != torch.float32 and P < MOE_MMA_MIN_PAIRS
+
+
+def _routed(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pairs=None,
+            prep=None) -> torch.Tensor:
+    """-> y [T*K, D] fp32: pair t*K + k's expert output times its routing weight. pairs / prep: the route launch's
+    (the pairs sorted by expert, x packed for the GEMV), where it made them."""
+    (T, D), K = x.shape, topk_ids.shape[1]
+    pair_ids, slots = pairs if pairs is not None else _moe_sort(topk_ids, w13_packed.shape[0])
     y = _empty((T * K, D), torch.float32, x.device)                          # per pair, weighted by topk_weights
-    path = _moe_gemv if T <= MOE_GEMV_MAX_T and x.dtype != torch.float32 else _moe_dot
+    path = _moe_gemv if _gemv_wins(x, T * K) else _moe_mma
     path(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y, prep)
-    if shared is not None:
-        if main is not None:
-            main.wait_stream(side)
-            shared_out.record_stream(main)       # made on the side stream, read and freed on this one
-        shared_out = shared_out.contiguous()
+    return y
+
+
+def _sum_pairs(y: torch.Tensor, T: int, K: int, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T*K, D] -> [T, D] fp32: each token's K pairs summed (+ shared[t], the shared experts)."""
+    D = y.shape[1]
+    out = torch.empty(T, D, dtype=torch.float32, device=y.device)
     if T:
         BLOCK = 256                                                          # enough programs for T = 9 x 7168
-        _moe_sum_kernel[(T, triton.cdiv(D, BLOCK))](y, y if shared is None else shared_out, out, D, K=K,
-                                                    HAS_SHARED=shared is not None, BLOCK=BLOCK, **_pdl(x.device))
+        _moe_sum_kernel[(T, triton.cdiv(D, BLOCK))](y, y if shared is None else shared, out, D, K=K,
+                                                    HAS_SHARED=shared is not None, BLOCK=BLOCK, **_pdl(y.device))
     return out
+
+
+# opaque to torch.compile: inductor would rebuild the kernels from their source, inline PTX included
+@register("int4_experts", fits=lambda x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
+          group_size=32: (_int4_weights_fit(x, w13_packed, w13_scale, w2_packed, w2_scale, group_size)
+                          and topk_ids.dtype == torch.int64 and topk_weights.dtype == torch.float32))
+@torch.compiler.disable
+def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32):
+    x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
+    y = _routed(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size)
+    return _sum_pairs(y, *topk_ids.shape)
+
+
+# The MoE part of a block (model.MoE.local): router, routed experts, shared experts, their sum, chosen whole so its
+# kernels can pass each other what the op boundaries would hide: the route launch sorts the pairs by expert and
+# packs x for the GEMV; the shared experts run on a side stream beside the routed launches (in a CUDA graph, two
+# branches) and are added in the pass that sums the pairs.
+def _moe_fits(self, x) -> bool:
+    ex, gate = self.experts, self.gate    # self: the model.MoE, as MoE.local gets it
+    return (ex.quant is not None
+            and _router_fits(x, gate.weight, gate.e_score_correction_bias, gate.top_k, gate.norm, gate.scale,
+                             gate.n_group, gate.topk_group)
+            and _int4_weights_fit(x, ex.w13_packed, ex.w13_scale, ex.w2_packed, ex.w2_scale, ex.quant.group_size))
+
+
+@register("MoE.local", fits=_moe_fits)
+@torch.compiler.disable
+def moe_local(self, x):
+    gate, ex, x = self.gate, self.experts, x.contiguous()
+    side = _side_stream(x.device) if x.is_cuda else None                     # (the interpreter: one CPU stream)
+    with torch.cuda.stream(side) if side else contextlib.nullcontext():
+        if side:
+            side.wait_stream(torch.cuda.current_stream(x.device))           # x is ready
+        shared = self.shared_experts(x)
+    w, ids, pairs, prep = _route(x, gate.weight, gate.e_score_correction_bias, gate.top_k, gate.norm, gate.scale,
+                                 prep=_gemv_wins(x, x.shape[0] * gate.top_k))
+    y = _routed(x, ids, w, ex.w13_packed, ex.w13_scale, ex.w2_packed, ex.w2_scale, ex.quant.group_size, pairs, prep)
+    if side:
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        shared.record_stream(torch.cuda.current_stream(x.device))            # made on the side stream, freed here
+    return _sum_pairs(y, x.shape[0], gate.top_k, shared.contiguous())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1740,9 +1775,12 @@ def commit_kv(kv_cache, start_pos, accepted, accept_len):
 
 def import_transformers():
     """Import transformers with this file out of the way: the project root off sys.path and no `kernels` in
-    sys.modules while transformers binds Hugging Face's package, then this module takes its name back."""
+    sys.modules while transformers binds Hugging Face's package, then this module takes its name back. Hub kernels
+    stay off (USE_HUB_KERNELS=0 unless set): transformers is our reference as plain PyTorch, and from_pretrained
+    would otherwise import more of that package by this module's name."""
     import importlib
     import sys
+    os.environ.setdefault("USE_HUB_KERNELS", "0")
     if "transformers.integrations.hub_kernels" not in sys.modules:
         root = os.path.dirname(os.path.abspath(__file__))
         ours, path = sys.modules.pop("kernels", None), sys.path[:]

@@ -577,10 +577,10 @@ INT4_REF_GROUP_BYTES = 256 * 2**20
 
 @kernels.fast
 def int4_experts(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                 group_size=32, out=None, shared=None):
-    """x [T, D], topk_ids / topk_weights [T, k] -> [T, D] fp32: Σ_k weight * SwiGLU expert_k(x),
-    + shared(x) (the shared experts) if given. w13_packed [E, 2I, D/8], w2_packed [E, D, I/8]
-    (INT4, Experts). Only the used experts are dequantized, a group at a time: bounded memory."""
+                 group_size=32):
+    """x [T, D], topk_ids / topk_weights [T, k] -> [T, D] fp32: Σ_k weight * SwiGLU expert_k(x).
+    w13_packed [E, 2I, D/8], w2_packed [E, D, I/8] (INT4, Experts). Only the used experts are
+    dequantized, a group at a time: bounded memory."""
     used = topk_ids.unique()                                              # [n] increasing ids
     per_expert = (w13_packed[0].numel() + w2_packed[0].numel()) * 8 * 4   # fp32 bytes, dequantized
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)        # [T, D]
@@ -588,9 +588,7 @@ def int4_experts(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2
         w13 = dequant_int4(w13_packed[group], w13_scale[group], group_size).float()  # [g, 2I, D]
         w2 = dequant_int4(w2_packed[group], w2_scale[group], group_size).float()     # [g, D, I]
         swiglu_experts(x, topk_ids, topk_weights, group, w13, w2, y)
-    if shared is not None:
-        y += shared(x).float()
-    return y if out is None else out.copy_(y)
+    return y
 
 
 class Experts(nn.Module):
@@ -621,13 +619,12 @@ class Experts(nn.Module):
             self.w13 = nn.Parameter(torch.empty(E, 2 * inter, D))                  # [E, 2I/ws, D]
             self.w2 = nn.Parameter(torch.empty(E, D, inter))                       # [E, D, I/ws]
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                shared: nn.Module) -> torch.Tensor:
-        """x [N, D], weights/ids [N, k] -> this rank's Σ_k w_k expert_k(x) + shared(x) [N, D]"""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, D], weights/ids [N, k] -> this rank's Σ_k w_k expert_k(x) [N, D], fp32"""
         if self.quant:
             return int4_experts(x, ids, weights, self.w13_packed, self.w13_scale, self.w2_packed,
-                                self.w2_scale, self.quant.group_size, shared=shared)
-        return float_experts(x, ids, weights, self.w13, self.w2) + shared(x).float()
+                                self.w2_scale, self.quant.group_size)
+        return float_experts(x, ids, weights, self.w13, self.w2)
 
 
 class MoE(nn.Module):
@@ -641,12 +638,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] -> routed + shared experts [..., D], fp32 (the next residual add rounds it)"""
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        w, ids = self.gate(x)
-        y = self.experts(x, w, ids, shared=self.shared_experts)       # routed + shared, fp32
+        y = self.local(x.reshape(-1, shape[-1]))
         if world_size > 1:
             dist.all_reduce(y)      # one all-reduce per MoE layer: routed + shared summed first
         return y.view(shape)
+
+    @kernels.fast
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> this rank's routed + shared experts [N, D], fp32"""
+        w, ids = self.gate(x)                                          # [N, k] each
+        return self.experts(x, w, ids) + self.shared_experts(x).float()
 
 
 # ----------------------------------------------------------------------------------------------

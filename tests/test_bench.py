@@ -383,7 +383,7 @@ def test_e2e_one_rank_of(capsys):
     the MLP/MoE of each layer) and 1 all-gather (lm_head); a DDTree step adds the drafter's 1 + 1 + 2 per layer
     (the target's embedding of the block, fc, o_proj and MLP of each layer) and 1 all-gather (the draft logits)."""
     originals = {n: getattr(torch.distributed, n) for n in bench.NOOP_COLLECTIVES}
-    e, printed = one_rank(2, capsys, "--accept", "4.48,5.3", "--allreduce-us", "20,8.8")
+    e, printed = one_rank(2, capsys, "--accept", "4.48,5.3", "--allreduce-us", "20,8.8", "--allreduce-gbps", "100")
     args, dargs = C.model_args("random:tiny"), Dr.DraftArgs.from_config("random:tiny-dflash")
     target_ar, draft_ar = 1 + 2 * args.num_hidden_layers, 2 + 2 * dargs.num_hidden_layers
     assert e["one_rank_of"] == 2 and e["collectives_run"] is False and e["draft"] == "random:tiny-dflash"
@@ -396,26 +396,46 @@ def test_e2e_one_rank_of(capsys):
     assert (rows["ar"]["all_reduce"], rows["ar"]["all_gather"]) == (target_ar, 1)
     assert (rows["ddtree"]["all_reduce"], rows["ddtree"]["all_gather"]) == (target_ar + draft_ar, 2)
     for r in e["rows"]:
-        assert r["collectives"] == r["all_reduce"] + r["all_gather"] == sum(r["collective_calls"].values())
+        calls = r["collective_calls"]
+        assert r["collectives"] == r["all_reduce"] + r["all_gather"] == sum(v for k, v in calls.items()
+                                                                             if not k.endswith("bytes"))
+        assert r["collective_bytes"] == calls["all_reduce bytes"] + calls["all_gather bytes"] > 0
         assert r["steps"] >= 1 and close(r["ms_per_step"], 1e3 * r["decode_s"] / r["steps"]) and r["decode_s"] > 0
     proj = e["projection"]
     assert len(proj) == 2 * (1 + 2)            # per cost: AR at accept 1, DDTree at each --accept
     for p in proj:
         r = rows[p["mode"]]
         assert p["accept"] in ([1.0] if p["mode"] == "ar" else [4.48, 5.3]) and p["allreduce_us"] in (20.0, 8.8)
-        assert close(p["comm_ms"], r["collectives"] * p["allreduce_us"] / 1e3)
+        ring_ms = r["collective_bytes"] * (2 * 1 / 2) / 100e9 * 1e3          # TP2: a ring moves 2(2-1)/2 x bytes
+        assert close(p["comm_ms"], r["collectives"] * p["allreduce_us"] / 1e3 + ring_ms)
         assert close(p["step_ms"], r["ms_per_step"] + p["comm_ms"])
-        assert close(p["tokens_per_s"], 1e3 * p["accept"] / (r["ms_per_step"] + r["collectives"] * p["allreduce_us"]
-                                                            / 1e3))
+        assert close(p["tokens_per_s"], 1e3 * p["accept"] / (r["ms_per_step"] + p["comm_ms"]))
         assert close(p["tokens_per_s_no_comm"], 1e3 * p["accept"] / r["ms_per_step"])
     # the patch stays inside the mode
     assert M.world_size == 1 and M.rank == 0
     assert {n: getattr(torch.distributed, n) for n in bench.NOOP_COLLECTIVES} == originals
 
 
+def test_e2e_one_rank_of_batch(capsys):
+    """--batch with --one-rank-of: B synthetic prompts decoded together; the collectives' bytes grow with B (the
+    all-reduced activations are [B, T, D]) and the projection counts B tokens per row's accept."""
+    e, printed = one_rank(2, capsys, "--batch", "1,3", "--accept", "4")
+    rows = {(r["batch"], r["mode"]): r for r in e["rows"]}
+    assert sorted(rows) == [(1, "ar"), (1, "ddtree"), (3, "ar"), (3, "ddtree")] and e["batch"] == [1, 3]
+    for mode in ("ar", "ddtree"):
+        one, three = rows[1, mode], rows[3, mode]
+        assert one["collectives"] == three["collectives"]
+        assert three["collective_bytes"] > 2.5 * one["collective_bytes"]
+    for p in e["projection"]:
+        r = rows[p["batch"], p["mode"]]
+        assert close(p["tokens_per_s_no_comm"], 1e3 * p["accept"] * p["batch"] / r["ms_per_step"])
+    assert "batch" in printed
+
+
 def test_e2e_one_rank_of_1_has_no_collectives(capsys):
     e, _ = one_rank(1, capsys)
     assert [r["collectives"] for r in e["rows"]] == [0, 0] and all(r["collective_calls"] == {} for r in e["rows"])
+    assert [r["collective_bytes"] for r in e["rows"]] == [0, 0]
     assert all(p["comm_ms"] == 0 and close(p["tokens_per_s"], p["tokens_per_s_no_comm"]) for p in e["projection"])
 
 
@@ -462,7 +482,9 @@ def test_one_rank_of_bad_combinations(capsys):
                           (["e2e", "--one-rank-of", "8", "--budgets", "auto"], "not auto"),
                           (["e2e", "--one-rank-of", "8", "--accept", "0.5"], "--accept: tokens per step"),
                           (["e2e", "--one-rank-of", "8", "--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
-                          (["layers", "--allreduce-us", "20,10"], "--allreduce-us: one cost")]:
+                          (["layers", "--allreduce-us", "20,10"], "--allreduce-us: one cost"),
+                          (["e2e", "--one-rank-of", "8", "--allreduce-gbps", "0"], "--allreduce-gbps: a finite"),
+                          (["e2e", "--one-rank-of", "8", "--allreduce-gbps", "nan"], "--allreduce-gbps: a finite")]:
         with pytest.raises(SystemExit) as e:
             bench.parse_args(argv + ["--ckpt", "random:tiny"])
         assert e.value.code == 2 and message in capsys.readouterr().err

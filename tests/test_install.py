@@ -24,6 +24,9 @@ cfg = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_
 model = DeepseekV3ForCausalLM(cfg).eval()
 logits = model(torch.arange(5)[None]).logits
 assert logits.shape == (1, 5, 64) and torch.isfinite(logits).all()
+model.save_pretrained(sys.argv[1])                # from_pretrained kernelizes by default: it must not reach ours
+again = DeepseekV3ForCausalLM.from_pretrained(sys.argv[1]).eval()
+assert torch.equal(again(torch.arange(5)[None]).logits, logits)
 import kernels as again
 assert again is kernels and sys.modules["kernels"] is kernels and hasattr(again, "fast"), "lost our kernels.py"
 print(hub_kernels.LayerRepository.__module__)     # bound from Hugging Face's package, not from ours
@@ -35,9 +38,9 @@ def test_kernels_distribution_is_installed():
     assert importlib.metadata.version("kernels")
 
 
-def test_transformers_deepseek_v3_beside_our_kernels_py():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+def test_transformers_deepseek_v3_beside_our_kernels_py(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "USE_HUB_KERNELS"} | {"CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().startswith("kernels."), proc.stdout
 

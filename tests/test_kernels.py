@@ -24,9 +24,11 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import checkpoint as C  # noqa: E402
 import draft as Dr  # noqa: E402
 import kernels  # noqa: E402
 import model as M  # noqa: E402
+import tiny  # noqa: E402
 import tree as T  # noqa: E402
 import verify as V  # noqa: E402
 
@@ -80,9 +82,10 @@ STAGES = (M, Dr, T, V)
 
 
 def fast_ops() -> dict:
-    """Every `@kernels.fast` op of the stage files: name -> the op."""
-    return {name: f for mod in STAGES for name, f in vars(mod).items()
-            if callable(f) and hasattr(f, "ref") and f.__module__ == mod.__name__}
+    """Every `@kernels.fast` op of the stage files, and block part (a method): its qualified name -> the op."""
+    found = [f for mod in STAGES for f in vars(mod).values() if getattr(f, "__module__", None) == mod.__name__]
+    found += [f for cls in found if isinstance(cls, type) for f in vars(cls).values()]
+    return {f.__qualname__: f for f in found if callable(f) and hasattr(f, "ref")}
 
 
 def params(fn) -> list[str]:
@@ -161,6 +164,11 @@ def test_glue_kernels_stay_out_of_autograd_and_compile(monkeypatch):
         assert not fits(x, w, 1e-6)
 
 
+def tiny_moe(**over) -> M.MoE:
+    """An INT4 MoE part of the tiny config (D = 64), weights uninitialized: for fits() only."""
+    return M.MoE(M.ModelArgs.from_config(C.k26_config(tiny.text_config(**over), 32)))
+
+
 def fits_cases():
     """(name, args that fit, the same with one thing the kernel cannot take), small CPU tensors."""
     f32, f16, i64 = torch.float32, torch.float16, torch.int64
@@ -186,6 +194,7 @@ def fits_cases():
         ("mla_tree_attention", attn(9, 32), attn(9, 32)[:4] + (r(1, 9, 9, dtype=b).transpose(1, 2), 0.1)),  # strided
         ("router_topk", (r(2, 16), r(8, 16), r(8), 2, True, 1.0), (r(2, 16), r(8, 16), r(8), 2, True, 1.0, 2, 1)),
         ("int4_experts", moe(32), moe(16)[:-1] + (64,)),                                   # group 64 > I = 32
+        ("MoE.local", (tiny_moe(), r(2, 64)), (tiny_moe(n_group=2), r(2, 64))),          # group-limited routing
         ("qkv_norm_rope", qkv(16), qkv(24)),
         ("block_attention", (r(1, 4, 2, 16), r(1, 8, 1, 16), r(1, 8, 1, 16), r(1, dtype=i64), 0.25),
          (r(1, 4, 2, 8), r(1, 8, 1, 8), r(1, 8, 1, 8), r(1, dtype=i64), 0.25)),
@@ -350,18 +359,19 @@ def test_attention_ref_vs_naive(kind):
 # ----------------------------------------------------------------------------------------------------------
 # Kernels vs references (CUDA, or the interpreter in a subprocess)
 
-# T, E, K, D, I, tiles. 16-bit activations with T <= MOE_GEMV_MAX_T take the GEMV path, fp32 and T > 64 the tl.dot
-# path; "dot" forces the tl.dot path at 16 bits. "small": tiles of 32 columns (BLOCK_K = 32, BLOCK_W = 4 words), so
-# rows span several tiles and the reduction dim is split across programs.
+# T, E, K, D, I, tiles. 16-bit activations with fewer than MOE_MMA_MIN_PAIRS pairs take the GEMV path, fp32 the
+# tensor-core path; "mma" forces the tensor-core path at 16 bits. "small": the GEMV's tiles of 32 columns (BLOCK_W =
+# 4 words), so rows span several tiles and the reduction dim is split across programs; the tensor-core path's
+# BLOCK_N = 16 rows (and its least BLOCK_W, 16 words: D = 160 is a whole tile and a masked one).
 MOE_CASES = [
     (1, 8, 2, 160, 64, "small"),        # D split 4 ways over 5 tiles: the last split is empty and must store zeros
     (1, 8, 4, 128, 64, "default"),
     (9, 16, 4, 128, 64, "default"),
-    (9, 16, 4, 128, 64, "dot"),
+    (9, 16, 4, 128, 64, "mma"),
     (17, 8, 3, 160, 96, "default"),     # D, I not multiples of the tile sizes: masked tails
     (5, 8, 3, 160, 96, "small"),
     (33, 12, 4, 128, 64, "default"),
-    (80, 2, 2, 64, 32, "small"),        # an expert with more pairs than BLOCK_M: the loop over token blocks
+    (80, 2, 2, 64, 32, "small mma"),    # an expert with more pairs than BLOCK_M: the loop over token blocks
 ]
 
 
@@ -370,27 +380,40 @@ MOE_CASES = [
 @pytest.mark.parametrize("T_, E, K, D, I, tiles", MOE_CASES)
 def test_int4_experts_kernel(T_, E, K, D, I, tiles, dtype, monkeypatch):
     monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
-    if tiles == "small":
-        small = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2)
-        monkeypatch.setattr(kernels, "MOE_BLOCKS", dict(gate_up=small, down=small))
+    if "small" in tiles:
         small = dict(BLOCK_N=16, BLOCK_W=4, num_warps=4, num_stages=2)
         monkeypatch.setattr(kernels, "MOE_GEMV_BLOCKS", dict(gate_up=small, down=small))
-    if tiles == "dot":
-        monkeypatch.setattr(kernels, "MOE_GEMV_MAX_T", 0)
+        small = dict(BLOCK_N=16, BLOCK_W=16, num_warps=4, num_stages=2)
+        monkeypatch.setattr(kernels, "MOE_MMA_BLOCKS", dict(gate_up=small, down=small))
+    if "mma" in tiles:
+        monkeypatch.setattr(kernels, "MOE_MMA_MIN_PAIRS", 0)
     args = make_moe(T_, E, K, D, I, dtype, KERNEL_DEVICE, seed=T_)
     if dtype != torch.float32:   # an outlier channel: the GEMV's per-row power-of-two scale keeps fp16 in range
         args[0][0, 3] = 300.0
-    out = torch.full((T_, D), float("nan"), device=KERNEL_DEVICE)
-    assert launch("int4_experts", *args, out=out) is out
-    ref = M.int4_experts.ref(*args)
-    assert_close(out, ref, TOL[dtype], f"moe T={T_} {dtype}")
-    # the shared experts (x -> the model's dtype; on a GPU run on a side stream) added in the pass that sums the pairs
-    w_shared = (torch.randn(D, D, generator=torch.Generator().manual_seed(T_)) / D**0.5).to(dtype).to(KERNEL_DEVICE)
-    shared = lambda x: F.linear(x, w_shared)
-    ref_shared = M.int4_experts.ref(*args, shared=shared)
-    assert torch.equal(ref_shared, ref + shared(args[0]).float())
-    got = kernels.fused_moe_w4a16(*args, shared=shared)
-    assert_close(got, ref_shared, TOL[dtype], f"moe + shared T={T_}")
+    out = launch("int4_experts", *args)
+    assert out.dtype == torch.float32 and out.shape == (T_, D)
+    assert_close(out, M.int4_experts.ref(*args), TOL[dtype], f"moe T={T_} {tiles} {dtype}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("T_, mma_min_pairs", [(3, None), (3, 0), (70, None)])
+def test_moe_part(T_, mma_min_pairs, dtype, monkeypatch):
+    """The MoE part's launcher == MoE.local as written: 3 tokens (the router's two launches, the pairs sorted and x
+    packed for the GEMV by the route launch; or the tensor-core path), 70 (past ROUTER_MAX_T: F.linear, the pairs
+    sorted on their own); the shared experts on a side stream, added where the pairs are summed."""
+    monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
+    if mma_min_pairs is not None:
+        monkeypatch.setattr(kernels, "MOE_MMA_MIN_PAIRS", mma_min_pairs)
+    model = C.random_model("random:tiny", KERNEL_DEVICE, dtype, seed=T_)
+    moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, M.MoE))
+    x = torch.randn(T_, model.args.hidden_size, generator=torch.Generator().manual_seed(T_)).to(dtype)
+    x = x.to(KERNEL_DEVICE)
+    with torch.no_grad():
+        got = launch("MoE.local", moe, x)
+        want = M.MoE.local.ref(moe, x)
+    assert got.dtype == want.dtype == torch.float32
+    assert_close(got, want, TOL[dtype], f"MoE part T={T_} {dtype}")
 
 
 @needs_kernels
@@ -628,32 +651,13 @@ def test_router_topk_kernel(N, E, D, k, dtype):
         w_ref, ids_ref = M.router_topk.ref(x, weight, bias, k, norm, 2.827)
         assert ids.dtype == torch.int64 and torch.equal(ids, ids_ref), f"{ids} vs {ids_ref}"
         assert_close(w, w_ref, 1e-5, f"router_topk weights N={N} E={E} D={D} norm={norm}")
+        _, _, pairs, prep = kernels._route(x, weight, bias, k, norm, 2.827, prep=True)    # the MoE part's call
         if N <= kernels.ROUTER_MAX_T:       # one launch: the pairs sorted by expert for int4_experts, as _moe_sort
-            (pair_ids, slots), (pair_ref, slots_ref) = ids.moe_pairs, kernels._moe_sort(ids, E)
+            (pair_ids, slots), (pair_ref, slots_ref) = pairs, kernels._moe_sort(ids, E)
             assert torch.equal(pair_ids, pair_ref) and torch.equal(slots, slots_ref)
         if N <= kernels.ROUTER_MAX_T and dtype != torch.float32:   # and x packed for the MoE GEMV, as _prep_f16
-            xk, xs = ids.moe_prep[2:]
             xk_ref, xs_ref = kernels._prep_f16(x, N, D, 1, swiglu=False)
-            assert ids.moe_prep[0] is x and torch.equal(xk, xk_ref) and torch.equal(xs, xs_ref)
-
-
-@needs_kernels
-def test_router_prep_feeds_int4_experts(monkeypatch):
-    """x as router_topk packed it == x as the MoE launch packs it: the same output bits; an x changed in place since
-    (or another x) is packed again, not read stale."""
-    monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
-    T_, E, K, D, I = 3, 16, 4, 160, 64
-    x, _, _, *experts = make_moe(T_, E, K, D, I, torch.float16, KERNEL_DEVICE, seed=7)
-    g = torch.Generator().manual_seed(7)
-    weight = (torch.randn(E, D, generator=g) / D**0.5).to(KERNEL_DEVICE)
-    bias = torch.zeros(E, device=KERNEL_DEVICE)
-    w, ids = launch("router_topk", x, weight, bias, K, True, 1.0)
-    assert hasattr(ids, "moe_prep")
-    plain = kernels.fused_moe_w4a16(x, ids.clone(), w, *experts)                   # a clone: no attributes
-    assert torch.equal(kernels.fused_moe_w4a16(x, ids, w, *experts), plain)
-    x.mul_(2)
-    fresh = kernels.fused_moe_w4a16(x, ids, w, *experts)
-    assert torch.equal(fresh, kernels.fused_moe_w4a16(x, ids.clone(), w, *experts)) and not torch.equal(fresh, plain)
+            assert torch.equal(prep[0], xk_ref) and torch.equal(prep[1], xs_ref)
 
 
 @needs_kernels

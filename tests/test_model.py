@@ -3,6 +3,7 @@ with a fast path keep the names and signatures kernels.py registers under and al
 checkpoint.py's loader and config errors (a bad tensor, a NaN weight, a missing directory are named).
 Run: python -m pytest -q tests/test_model.py"""
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -168,17 +169,23 @@ CONTRACT = {
     "silu_mul": "g u", "mla_latent_to_cache": "kv weight eps cos sin cache slots",
     "mla_tree_attention": "q_lat q_pe cache prefix_len tree_mask softmax_scale out",
     "router_topk": "x weight bias top_k norm scale n_group topk_group",
-    "int4_experts": "x topk_ids topk_weights w13_packed w13_scale w2_packed w2_scale group_size out shared",
+    "int4_experts": "x topk_ids topk_weights w13_packed w13_scale w2_packed w2_scale group_size",
+    "MoE.local": "self x",                      # a block part: the MoE's router, experts and shared experts
 }
 
 
+def fast_op(name: str):
+    """model.py's op (or block part's method, "MoE.local") registered under `name`."""
+    return functools.reduce(getattr, name.split("."), M)
+
+
 def test_fast_ops_keep_the_contract():
-    """Each op with a Triton twin is a plain function here, under its name, with the signature kernels.py
-    registers the kernel under; op.ref is the PyTorch reference."""
+    """Each op with a Triton twin is a plain function here (or a block part's method), under its name, with the
+    signature kernels.py registers the kernel under; op.ref is the PyTorch reference."""
     import inspect
     for name, params in CONTRACT.items():
-        op = getattr(M, name)
-        assert op.__name__ == name and callable(op.ref), name
+        op = fast_op(name)
+        assert op.__qualname__ == name and callable(op.ref), name
         assert " ".join(inspect.signature(op.ref).parameters) == params, name
 
 
@@ -194,7 +201,7 @@ def fake_kernels(monkeypatch, checks=None) -> list:
             calls.append(name)
             if checks and name in checks:
                 checks[name](*a, **k)
-            return getattr(M, name).ref(*a, **k)
+            return fast_op(name).ref(*a, **k)
         return run
     for name in CONTRACT:
         kernels.register(name, fits=lambda *a, **k: True)(stand_in(name))
@@ -254,13 +261,10 @@ def test_int4_experts_reference_bounds_its_memory(monkeypatch):
     ids = torch.tensor([[0, 3], [3, 5], [0, 5], [3, 0], [5, 3]])                     # experts 1, 2, 4 unused
     w = torch.rand(T, k, generator=g)
     want = M.float_experts(x, ids, w, M.dequant_int4(w13p, s13), M.dequant_int4(w2p, s2))
-    shared = torch.randn(T, D, generator=g)
-    whole = M.int4_experts.ref(x, ids, w, w13p, s13, w2p, s2, 32, shared=lambda x: shared)
+    whole = M.int4_experts.ref(x, ids, w, w13p, s13, w2p, s2, 32)
     monkeypatch.setattr(M, "INT4_REF_GROUP_BYTES", 1)
-    out = torch.empty(T, D)
-    one_by_one = M.int4_experts.ref(x, ids, w, w13p, s13, w2p, s2, 32, out=out)
-    assert one_by_one is out and torch.allclose(one_by_one, want, atol=1e-5)
-    assert torch.allclose(whole, want + shared, atol=1e-5)
+    one_by_one = M.int4_experts.ref(x, ids, w, w13p, s13, w2p, s2, 32)
+    assert torch.allclose(one_by_one, want, atol=1e-5) and torch.allclose(whole, want, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
