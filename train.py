@@ -362,7 +362,7 @@ def expert_forward(model: M.Transformer, dense: bool = False, int4: tuple | None
     wt = (lambda w: w + (int4_roundtrip(w, *int4).to(w.dtype) - w).detach()) if int4 else (lambda w: w)
     experts = [layer.mlp.experts for layer in model.layers if isinstance(layer.mlp, M.MoE)]
     for ex in experts:
-        ex.forward = lambda x, w, ids, shared, ex=ex: fn(x, ids, w, wt(ex.w13), wt(ex.w2)) + shared(x).float()
+        ex.forward = lambda x, w, ids, ex=ex: fn(x, ids, w, wt(ex.w13), wt(ex.w2))
     try:
         yield
     finally:
