@@ -1,6 +1,6 @@
 """Does the quick check catch every one-line break of the step? Each mutant below is one edited line
 that breaks one invariant the README promises; each runs against `python -m pytest -q -m quick -x`
-in a temporary copy of the repository (the tracked files, as they are in the working tree), and
+in a temporary copy of the repository (its files as the working tree has them), and
 must fail it. Not part of CI: it runs the quick check once per mutant.
 
     python tools/mutants.py              # every mutant: caught / total, and the ones that survived
@@ -29,9 +29,9 @@ MUTANTS = [
     ("tree.py", "keep = best.sort(dim=1).values                                  # [b, n_keep] tuple order",
      "keep = best                                  # [b, n_keep] tuple order",
      "tree shape: survivors in score order, not rank-tuple order (ties pick other nodes)"),
-    ("tree.py", "for _ in range(max(N - 1, 0) if max_depth is None else max_depth):",
-     "for _ in range(max(N - 2, 0) if max_depth is None else max_depth):",
-     "masks: the ancestor walk one step short (the deepest node misses the root)"),
+    ("tree.py", "walk = [node]",
+     "walk = [up]",
+     "masks: a tree node does not see itself, only its ancestors"),
     ("model.py", "visible = (j < 0)[:, None, :] | (((j >= 0) & (j < T))[:, None, :] & in_tree)",
      "visible = (j < 0)[:, None, :] | (((j >= 0) & (j < T))[:, None, :])",
      "masks: tree nodes see their siblings and cousins, not only their ancestors"),
@@ -87,7 +87,9 @@ MUTANTS = [
 
 
 def tracked_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    """The repository's files as the working tree has them: tracked, and new ones git does not ignore."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, check=True).stdout
     return [f for f in out.decode().split("\0") if f and os.path.isfile(os.path.join(ROOT, f))]
 
 
