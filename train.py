@@ -775,12 +775,11 @@ def check_args(a: argparse.Namespace) -> Path | None:
         check_device(a.device)
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         raise ValueError(f"--out {a.out}: not a directory: expected the output directory (made if missing)")
-    made = a.out
-    while not os.path.exists(made):        # the deepest directory that exists must let us make the rest
-        made = os.path.dirname(os.path.abspath(made))
-    if not os.path.isdir(made) or not os.access(made, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {a.out}: cannot write in {made}: expected a directory this user can write")
     src = check_target_dir(a.target_from) if a.target_from else None
+    try:
+        os.makedirs(a.out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {a.out}: cannot make the directory ({e.strerror.lower()})") from None
     if src is not None:                     # what this run writes must not be a file of the target it reads
         tdir = os.path.join(a.out, TARGET_DIR)
         copied = [] if os.path.exists(tdir) and os.path.samefile(src, tdir) else \
