@@ -6,7 +6,7 @@
     the old file whole, never a fragment, and the new file gets the usual permissions (replacing, write_text);
   * an output is never a file the same run reads (check_not_input).
 
-Tests: python -m pytest -q tests/test_faults.py -k "regular or atomic or overwrite"
+Tests: python -m pytest -q tests/test_faults.py -k "regular or failed_write or umask or overwrite"
 """
 from __future__ import annotations
 
