@@ -41,17 +41,15 @@ def check_args(a: argparse.Namespace) -> None:
         a.draft = a.ckpt + "-dflash" if a.draft is None else a.draft
         if a.tokenizer is None and a.prompt_ids is None:
             raise ValueError(f"--ckpt {a.ckpt} has no tokenizer: give the prompt as --prompt-ids (or pass --tokenizer)")
-    for flag, ok, want, got in [("--budget", a.budget == "auto" or 0 <= a.budget <= MAX_BUDGET,
-                                 f"in [0, {MAX_BUDGET}] or auto", a.budget),
-                                ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1", a.max_new_tokens),
-                                ("--max-seq-len", a.max_seq_len >= 2, ">= 2", a.max_seq_len),
-                                ("--temperature", V.temperature_ok(a.temperature), V.TEMPERATURE_RULE,
-                                 a.temperature),
-                                ("--top-k", a.top_k >= 0, ">= 0 (0: off)", a.top_k),
-                                ("--top-p", 0 < a.top_p <= 1, "in (0, 1]", a.top_p),
-                                ("--seed", 0 <= a.seed < 2**63, "in [0, 2^63)", a.seed)]:
-        if not ok:
-            raise ValueError(f"{flag} must be {want}, got {got}")
+    check_ranges([("--budget", a.budget == "auto" or 0 <= a.budget <= MAX_BUDGET,
+                   f"in [0, {MAX_BUDGET}] or auto", a.budget),
+                  ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1", a.max_new_tokens),
+                  ("--max-seq-len", a.max_seq_len >= 2, ">= 2", a.max_seq_len),
+                  ("--temperature", V.temperature_ok(a.temperature), V.TEMPERATURE_RULE,
+                   a.temperature),
+                  ("--top-k", a.top_k >= 0, ">= 0 (0: off)", a.top_k),
+                  ("--top-p", 0 < a.top_p <= 1, "in (0, 1]", a.top_p),
+                  ("--seed", 0 <= a.seed < 2**63, "in [0, 2^63)", a.seed)])
     for flag, path in (("--ckpt", a.ckpt), ("--draft", a.draft), ("--tokenizer", a.tokenizer)):
         if C.is_random(path) and flag != "--tokenizer":
             C.random_config(path)           # an unknown name: one line listing the random models there are
@@ -86,6 +84,14 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError("--show-tree prints one sequence's trees: not with --prompts")
     if (a.raw or a.prompt_ids is not None) and (a.system is not None or a.thinking is not None):
         raise ValueError("--system and --thinking/--no-thinking shape the chat template: not with --raw, --prompt-ids")
+
+
+def check_ranges(rows) -> None:
+    """rows of (flag, whether its value is good, what it must be, the value): the first bad one is a ValueError
+    `<flag> must be <what>, got <value>`."""
+    for flag, ok, want, got in rows:
+        if not ok:
+            raise ValueError(f"{flag} must be {want}, got {got}")
 
 
 def check_device(device: str) -> None:

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 import checkpoint as C
 import draft as D
 import files
+from cli import check_device, check_ranges, exit_code
 import model as M
 import tokenizer as tk
 import verify as V
@@ -763,13 +764,10 @@ Total on disk: {mb(r['total_bytes'])} (budget {mb(SIZE_BUDGET)}).
 
 def check_args(a: argparse.Namespace) -> Path | None:
     """Every flag, before the corpus is read: a ValueError naming the flag. Returns the --target-from dir."""
-    from cli import check_device
-    for flag, ok, want, got in [("--steps", a.steps is None or a.steps >= 1, ">= 1", a.steps),
-                                ("--draft-steps", a.draft_steps is None or a.draft_steps >= 1, ">= 1", a.draft_steps),
-                                ("--max-files", a.max_files is None or a.max_files >= 0, ">= 0 (0: all)", a.max_files),
-                                ("--seed", 0 <= a.seed < 2**63, "in [0, 2^63)", a.seed)]:
-        if not ok:
-            raise ValueError(f"{flag} must be {want}, got {got}")
+    check_ranges([("--steps", a.steps is None or a.steps >= 1, ">= 1", a.steps),
+                  ("--draft-steps", a.draft_steps is None or a.draft_steps >= 1, ">= 1", a.draft_steps),
+                  ("--max-files", a.max_files is None or a.max_files >= 0, ">= 0 (0: all)", a.max_files),
+                  ("--seed", 0 <= a.seed < 2**63, "in [0, 2^63)", a.seed)])
     if a.device:
         check_device(a.device)
     if os.path.exists(a.out) and not os.path.isdir(a.out):
@@ -899,5 +897,4 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    from cli import exit_code
     sys.exit(exit_code(lambda: main(parse_args())))
