@@ -127,6 +127,6 @@ def check_not_input(flag: str, out: str, inputs) -> None:
         names = [os.path.join(p, n) for n in sorted(os.listdir(p))] if os.path.isdir(p) else [p]
         for name in names:
             if os.path.exists(name) and os.path.samefile(out, name):
-                same = "" if os.path.abspath(out) == os.path.abspath(name) else f" (the same file as {name})"
-                raise ValueError(f"{flag} {out}: this run reads that file{same}; writing there would destroy it: "
-                                 f"name another file")
+                via = "" if os.path.abspath(out) == os.path.abspath(name) else f" (it is {name})"
+                what = "a file the run reads" if name == p else f"a file of {p}, which the run reads"
+                raise ValueError(f"{flag} {out}: {what}{via}; writing it would destroy it: name another file")

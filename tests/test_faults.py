@@ -814,12 +814,15 @@ def test_outputs_never_overwrite_inputs(ckpt, tmp_path, capsys, monkeypatch):
     link.symlink_to(ckpt / "config.json")
     no_loading(monkeypatch)
     before = {f: f.read_bytes() for f in (prompts, ckpt / "config.json", ckpt / "draft" / "config.json")}
-    for argv, out in [(["--prompts", prompts, "--raw", "--trace", prompts], prompts),
-                      (["--prompt-ids", "1", "--trace", ckpt / "config.json"], ckpt / "config.json"),
-                      (["--prompt-ids", "1", "--trace", link], link),
-                      (["--prompt-ids", "1", "--trace", ckpt / "draft" / "config.json"], ckpt / "draft" / "config.json")]:
+    for argv, words in [(["--prompts", prompts, "--raw", "--trace", prompts], f"--trace {prompts}: a file the run reads"),
+                        (["--prompt-ids", "1", "--trace", ckpt / "config.json"],
+                         f"--trace {ckpt / 'config.json'}: a file of {ckpt}, which the run reads"),
+                        (["--prompt-ids", "1", "--trace", link],
+                         f"--trace {link}: a file of {ckpt}, which the run reads (it is {ckpt / 'config.json'})"),
+                        (["--prompt-ids", "1", "--trace", ckpt / "draft" / "config.json"],
+                         f"a file of {ckpt / 'draft'}, which the run reads")]:
         code, _, err = run_cli(capsys, "--ckpt", ckpt, "--draft", ckpt / "draft", *argv, "--quiet")
-        assert one_line(code, err, f"--trace {out}: this run reads that file"), err
+        assert one_line(code, err, words, "name another file"), err
     sets = tmp_path / "set.json"
     sets.write_text(json.dumps({"prompts": [{"category": "code", "text": "x"}]}))
     (tmp_path / "r.png").symlink_to(sets)          # the plot beside r.json would replace the prompt set
@@ -828,7 +831,7 @@ def test_outputs_never_overwrite_inputs(ckpt, tmp_path, capsys, monkeypatch):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["e2e", "--prompts", str(sets), "--out", str(out)])
         err = capsys.readouterr().err
-        assert e.value.code == 2 and "this run reads that file" in err and "Traceback" not in err, err
+        assert e.value.code == 2 and "a file the run reads" in err and "Traceback" not in err, err
     assert all(f.read_bytes() == b for f, b in before.items())
 
 
@@ -842,7 +845,7 @@ def test_train_out_never_overwrites_the_target_it_reads(ckpt, tmp_path, monkeypa
     monkeypatch.setattr(TR, "load_corpus", lambda *a: pytest.fail("the corpus was read before the checks"))
     code = cli.exit_code(lambda: TR.main(TR.parse_args(["--out", str(tmp_path / "out"), "--target-from", str(src)])))
     err = capsys.readouterr().err
-    assert one_line(code, err, "--out", str(src / "config.json"), "this run reads that file"), err
+    assert one_line(code, err, "--out", f"a file of {src}, which the run reads (it is {src / 'config.json'})"), err
 
 
 def failing_open(real_open=open):
@@ -1003,6 +1006,25 @@ def test_train_flags_checked_first(tmp_path, capsys, monkeypatch, argv, words):
     err = capsys.readouterr().err
     assert one_line(code, err, words.format(tmp=tmp_path)), err
     assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_in_train_and_bench(tmp_path, capsys, monkeypatch):
+    """train.py and bench.py end as generate.py does: Ctrl-C is one line and exit 130, a file that cannot be
+    written one line and exit 2 (cli.exit_code)."""
+    import errno
+    import train as TR
+
+    def interrupted(*a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(TR, "load_corpus", interrupted)
+    code = cli.exit_code(lambda: TR.main(TR.parse_args(["--out", str(tmp_path / "out")])))
+    assert one_line(code, capsys.readouterr().err, "interrupted (Ctrl-C)", rc=130)
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "r.json")
+    monkeypatch.setattr(bench, "main", full)
+    code = cli.exit_code(bench.main)
+    assert one_line(code, capsys.readouterr().err, "error: [Errno 28] No space left on device: 'r.json'")
 
 
 def test_train_flag_error_from_the_shell(tmp_path):
