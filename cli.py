@@ -58,8 +58,9 @@ def check_args(a: argparse.Namespace) -> None:
     if a.device:
         check_device(a.device)
     if a.prompt_ids is not None:
+        from tokenizer import is_id
         ids = [t.strip() for t in a.prompt_ids.split(",")]
-        if not all(t.isascii() and t.isdigit() for t in ids):      # as tiktoken.model's ranks: no '1_0', '+1', '²'
+        if not all(map(is_id, ids)):       # as the tokenizer files spell ids: not '1_0' (token 10 to int()), '+1'
             raise ValueError(f"--prompt-ids {a.prompt_ids!r}: expected comma-separated token ids, e.g. 1,2,3")
         a.prompt_ids = [int(t) for t in ids]
     a.prompt_texts = None

@@ -99,6 +99,13 @@ def KIMI_SPECIAL_TOKENS(num_base: int) -> dict[int, str]:
 # -----------------------------------------------------------------------------
 # file formats: readers with errors that name file, line and field; writers for tests and the trainer
 
+def is_id(text: str | bytes) -> bool:
+    """An id (a rank, a token id) as the tokenizer files spell it: ASCII digits only, at most 18 of them. int()
+    alone would also take '-1', '1_0', '+3' and '²' ('²'.isdigit() is true, int('²') an error), and refuses a
+    5000-digit string with a message that names no file."""
+    return text.isascii() and text.isdigit() and len(text) <= 18
+
+
 def load_tiktoken_model(path: str | Path) -> dict[bytes, int]:
     """Parse tiktoken.model ourselves (not tiktoken.load) so every error names the file and line."""
     path = Path(path)
@@ -118,7 +125,7 @@ def load_tiktoken_model(path: str | Path) -> dict[bytes, int]:
                 token = base64.b64decode(fields[0], validate=True)
             except binascii.Error as e:
                 raise ValueError(f"{where}: bad base64 {fields[0][:80]!r} ({e})") from None
-            if not fields[1].isdigit():  # isdigit, not int(): int() would also take '-1', '1_0', '+3'
+            if not is_id(fields[1]):
                 raise ValueError(f"{where}: rank {fields[1][:80]!r} is not a non-negative integer")
             rank = int(fields[1])
             if not token:
@@ -153,8 +160,8 @@ def load_special_names(path: str | Path, num_base: int) -> dict[int, str]:
         raise ValueError(f"{path}: field 'added_tokens_decoder' is missing or not an object")
     names: dict[int, str] = {}
     for key, entry in decoder.items():
-        field = f"added_tokens_decoder[{key!r}]"
-        if not (key.isascii() and key.isdigit()):      # str.isdigit alone takes '²', which int() refuses
+        field = f"added_tokens_decoder[{key if len(key) <= 24 else key[:21] + '...'!r}]"    # a key may be huge
+        if not is_id(key):
             raise ValueError(f"{path}: field {field}: key is not a token id")
         if not isinstance(entry, dict) or not isinstance(entry.get("content"), str) or not entry["content"]:
             raise ValueError(f"{path}: field {field}.content is missing or not a non-empty string")

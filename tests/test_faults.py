@@ -1054,6 +1054,10 @@ def test_values_that_int_refuses_name_file_and_field(ckpt, tmp_path, capsys):
     edit_json(tok / "tokenizer_config.json", lambda c: c["added_tokens_decoder"].update({"²": {"content": "x"}}))
     with pytest.raises(ValueError, match=re.escape(f"{tok / 'tokenizer_config.json'}: field added_tokens_decoder['²']")):
         Tokenizer.from_dir(tok)
+    edit_json(tok / "tokenizer_config.json", lambda c: c["added_tokens_decoder"].update(
+        {"9" * 5000: c["added_tokens_decoder"].pop("²")}))
+    with pytest.raises(ValueError, match=re.escape(f"{tok / 'tokenizer_config.json'}: field added_tokens_decoder['999")):
+        Tokenizer.from_dir(tok)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(tiny.text_config()).replace('"hidden_size": 64', '"hidden_size": ' + "9" * 5000))
     with pytest.raises(ValueError, match=re.escape(f"{cfg}: field hidden_size = a 5000-digit integer: expected an "
