@@ -26,7 +26,7 @@ def regular_file(path: str) -> bool:
     except FileNotFoundError:
         return False
     except OSError as e:          # a symlink loop, a path through a file, no permission
-        raise ValueError(f"{path}: cannot be read ({e.strerror.lower()})") from None
+        raise ValueError(f"{path}: {e.strerror.lower()}") from None
     if not stat.S_ISREG(mode):
         raise ValueError(f"{path}: not a regular file")
     return True
