@@ -1610,15 +1610,15 @@ def bench_kernels(a, device, dtype) -> dict:
     print0(f"\n## kernels: {torch.cuda.get_device_name(device)}, {dtype}, tol {tol}; copy bandwidth {bw:.0f} GB/s"
            f" ('% bw' = GB/s / that); graph: CUDA graph replayed back to back (inputs that fit stay in L2); cold:"
            f" after writing twice the L2, as in a model step; GB/s, % bw and TF/s from the cold time")
-    print0(f"\nINT4 MoE: GB/s = INT4 weights + scales of the used experts / time; fewer than "
-           f"{kernels.MOE_MMA_MIN_PAIRS} (token, expert) pairs: the GEMV path, else tensor-core tiles\n"
-           f"{'I':>5} {'T':>3} {'experts':>7} {'rel err':>9} {'eager us':>9} "
+    print0(f"\nINT4 MoE: GB/s = INT4 weights + scales of the used experts / time; each T through both paths, the "
+           f"GEMV and the tensor-core tiles (the model takes the GEMV below {kernels.MOE_MMA_MIN_PAIRS} (token, "
+           f"expert) pairs)\n{'I':>5} {'T':>3} {'path':>4} {'experts':>7} {'rel err':>9} {'eager us':>9} "
            f"{'graph us':>9} {'cold us':>8} {'GB/s':>7} {'% bw':>6}")
     E, D, K, G = 384, 7168, 8, 32
     for I in (256, 2048):
         weights = rand_experts(E, D, I, G, dtype, device)
         expert_bytes = sum(w[0].numel() * w.element_size() for w in weights)
-        for T in (1, 9, 17, 33, 64, 128, 576):
+        for T, path in ((T, path) for T in (1, 9, 17, 33, 64, 128, 576) for path in ("gemv", "mma")):
             def case():
                 x = torch.randn(T, D, device=device, dtype=dtype)
                 x[0, 5] = 1e4 if T == 1 else x[0, 5]     # an outlier: fp16 activations must be scaled, not overflow
@@ -1626,8 +1626,12 @@ def bench_kernels(a, device, dtype) -> dict:
                 topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).float()
                 n_exp = topk_ids.unique().numel()
                 return (x, topk_ids, topk_weights, *weights), n_exp * expert_bytes, f" {n_exp:>7}"
-            rows.append(_kernel_row(f"{I:>5} {T:>3}", case, kernels.fused_moe_w4a16, M.int4_experts.ref, tol, bw,
-                                    device))
+            min_pairs, kernels.MOE_MMA_MIN_PAIRS = kernels.MOE_MMA_MIN_PAIRS, 10**9 if path == "gemv" else 0
+            try:
+                rows.append(_kernel_row(f"{I:>5} {T:>3} {path:>4}", case, kernels.fused_moe_w4a16,
+                                        M.int4_experts.ref, tol, bw, device))
+            finally:
+                kernels.MOE_MMA_MIN_PAIRS = min_pairs
         weights = None
         _free(device)
 

@@ -3,10 +3,11 @@ Triton fast paths of nano-ddtree: each kernel computes what a plain PyTorch func
 reference), in fewer launches or fewer bytes.
 
     model.py   linear, rms_norm, add_rms_norm, rope, silu_mul, mla_latent_to_cache, mla_tree_attention,
-               router_topk, int4_experts (launcher: fused_moe_w4a16)
+               router_topk, int4_experts (launcher: fused_moe_w4a16); the MoE part, MoE.local (moe_local)
     draft.py   qkv_norm_rope, block_attention;   tree.py  rank_topk, ddtree_search;   verify.py  accept, commit_kv
 
-The one switch: a stage file marks its reference `@kernels.fast`; this file registers a launcher under the same name
+The one switch: a stage file marks its reference `@kernels.fast` (an op, or a block part's method: "MoE.local", whose
+launcher runs the part's kernels in its own order); this file registers a launcher under the same name
 with `@register(name, fits=...)`, and a call goes to the launcher when ENABLED (--no-triton clears it) and fits(...)
 accepts the arguments (a CUDA tensor, shapes and dtypes the kernel handles, ...), else to its host path if it has
 one (section 0: the reference on fewer cache slots, on the CPU), else to the reference. Launcher, fits and reference
