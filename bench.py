@@ -580,9 +580,10 @@ def collectives_not_run(tp: int):
 
     def counted(name: str, noop):
         def call(*args, **kw):
-            counts[name] += 1
-            t = next((x for x in args if isinstance(x, torch.Tensor)), None)   # the message (all_gather: its input)
-            counts[name + " bytes"] += 0 if t is None else t.numel() * t.element_size()
+            if not torch.compiler.is_compiling():   # counted eagerly (step_collectives); a compiled step would
+                counts[name] += 1                   # otherwise guard on the counter and recompile at every call
+                t = next((x for x in args if isinstance(x, torch.Tensor)), None)   # the message (all_gather: input)
+                counts[name + " bytes"] += 0 if t is None else t.numel() * t.element_size()
             noop(*args, **kw)
         return call
 

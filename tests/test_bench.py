@@ -488,3 +488,19 @@ def test_one_rank_of_bad_combinations(capsys):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(argv + ["--ckpt", "random:tiny"])
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_compiled_step_does_not_recompile_on_the_collective_counter():
+    """Under collectives_not_run a torch.compile'd function that calls a collective compiles once: the no-op counts
+    only eager calls (step_collectives counts the step eagerly), so dynamo has no counter to guard on."""
+    import torch._dynamo as dynamo
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    with bench.collectives_not_run(2) as counts:
+        f = torch.compile(lambda x: (torch.distributed.all_reduce(x), x * 2)[1], backend="eager")
+        for _ in range(4):
+            assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+        assert dynamo.utils.counters["stats"]["unique_graphs"] == 1 and dict(counts) == {}
+        torch.distributed.all_reduce(torch.ones(3))                  # an eager call is counted, with its bytes
+        assert counts["all_reduce"] == 1 and counts["all_reduce bytes"] == 12
+    dynamo.reset()
