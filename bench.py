@@ -48,6 +48,7 @@ Modes:
     python bench.py peer --tp 1 --ctx 4096                # one H200 (the peer's bf16 experts: 34 GB)
     python bench.py tree --budgets 8,16,64                # V = 163840, L = 7 by default (CPU ok)
     python bench.py kernels [--sweep]                     # one GPU: kernels vs references, timings
+    python bench.py kernels --resources                   # any machine: the MoE kernels compiled for sm_90
     torchrun --nproc-per-node 8 bench.py e2e --ckpt <Kimi-K2.6> --draft <Kimi-K2.6-DFlash> --chat
     torchrun --nproc-per-node 8 bench.py e2e --ckpt random:k2.6 --budgets 8,16 --step-mode graph
                                                           # K2.6's shapes, random weights: step times, no download
@@ -1599,6 +1600,8 @@ def _kernel_row(label: str, case, kernel, ref, tol: float, bw: float, device) ->
 def bench_kernels(a, device, dtype) -> dict:
     """The INT4 MoE (E = 384, D = 7168, top-8, group 32; I = 256, a TP8 slice, and 2048, whole experts) and the MLA
     attention (R = 512, P = 64, 8 and 64 heads, a random tree) at T = 1 .. 128 new tokens, kernel vs reference."""
+    if a.resources:
+        return kernel_resources()
     if device.type != "cuda" or not use_triton(device):
         print0("\n## kernels: needs a CUDA GPU and triton (tests/test_kernels.py checks the kernels on a CPU)")
         return {"skipped": "needs a CUDA GPU and triton"}
@@ -1705,6 +1708,54 @@ def linear_table(device, dtype, bw: float) -> dict:
         print0(f"T = {T}, the MoE layer's five: linear {sum(r['us'] for r in five):.1f} us, cuBLAS "
                f"{sum(r['cublas_us'] for r in five):.1f} us, floor {sum(r['floor_us'] for r in five):.1f} us")
     return {"copy_GBps": bw, "skinny": dict(kernels.SKINNY), "rows": rows}
+
+
+def kernel_resources(arch: int = 90) -> dict:
+    """kernels --resources: the INT4 MoE kernels at their shipped settings compiled for sm_{arch} by Triton's own
+    compiler, no GPU needed (its ptxas and cuobjdump): registers, spilled stack and shared memory per program, and
+    whether the tensor-core path's dots became wgmma (HGMMA) or mma.sync (HMMA). Spills and wgmma decide much of a
+    kernel's speed before it runs."""
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    gemv = dict(xk_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", s_ptr="*bf16", pair_ptr="*i64", slots_ptr="*i64")
+    mma = dict(a_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", topk_w_ptr="*fp32", out_ptr="*fp32", pair_ptr="*i64",
+               slots_ptr="*i64", N="i32", KW="i32", A_STRIDE="i32", ROWS_PER="i32")
+    cases = [("GEMV gate | up", kernels._moe_gate_up_gemv, "gate_up", kernels.MOE_GEMV_BLOCKS,
+              dict(gemv, gu_ptr="*fp32", I="i32", K="i32", P="i32", DW="i32", DG="i32"), dict(SPLIT_K=2, EVEN=True)),
+             ("GEMV down", kernels._moe_down_gemv, "down", kernels.MOE_GEMV_BLOCKS,
+              dict(gemv, hk_ptr="*i32", hs_ptr="*fp32", topk_w_ptr="*fp32", y_ptr="*fp32", D="i32", IW="i32",
+                   IG="i32"), dict(EVEN=True)),
+             ("tensor-core gate | up", kernels._moe_mma_kernel, "gate_up", kernels.MOE_MMA_BLOCKS, mma,
+              dict(SWIGLU=False, WEIGHTED=False, BLOCK_M=16)),
+             ("tensor-core down", kernels._moe_mma_kernel, "down", kernels.MOE_MMA_BLOCKS, dict(mma, a_ptr="*fp32"),
+              dict(SWIGLU=True, WEIGHTED=True, BLOCK_M=16))]
+    rows = []
+    for label, fn, key, blocks, sig, consts in cases:
+        cfg = dict(blocks[key])
+        options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+        consts = dict(consts, GROUP=32, PDL=False, **cfg, **({"PTX": True} if "PTX" in fn.arg_names else {}))
+        params = [n for n in fn.arg_names if n not in consts]
+        sig = {n: sig[n] for n in params} | {n: "constexpr" for n in consts}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", arch, 64),
+                           options=options)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        regs, stack = (int(re.search(rf"{w}:(\d+)", usage).group(1)) for w in ("REG", "STACK"))
+        rows.append({"kernel": label, "settings": blocks[key], "registers": regs, "stack_bytes": stack,
+                     "shared_bytes": k.metadata.shared, "wgmma": sass.count("HGMMA"), "mma_sync": sass.count("HMMA")})
+    print0(f"\n## kernels --resources: compiled for sm_{arch} (triton {triton.__version__}), nothing run")
+    print0(table(["kernel", "registers", "spilled stack B", "shared B", "HGMMA", "HMMA"],
+                 [[r["kernel"], r["registers"], r["stack_bytes"], r["shared_bytes"], r["wgmma"], r["mma_sync"]]
+                  for r in rows]))
+    return {"arch": arch, "rows": rows}
 
 
 def kernel_sweep(device, dtype) -> dict:
@@ -1944,6 +1995,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="transformers' experts implementation (grouped_mm is its default for models)")
     k = p.add_argument_group("kernels")
     k.add_argument("--sweep", action="store_true", help="kernels: sweep the MoE and attention launch configs instead")
+    k.add_argument("--resources", action="store_true", help="kernels: the MoE kernels compiled for sm_90 (no GPU "
+                   "needed): registers, spills, shared memory, wgmma")
     k.add_argument("--linear", action="store_true",
                    help="kernels: only the skinny GEMM (kernels.linear) vs cuBLAS and the copy floor at TP8 shapes")
     t = p.add_argument_group("tree")

@@ -504,3 +504,14 @@ def test_compiled_step_does_not_recompile_on_the_collective_counter():
         torch.distributed.all_reduce(torch.ones(3))                  # an eager call is counted, with its bytes
         assert counts["all_reduce"] == 1 and counts["all_reduce bytes"] == 12
     dynamo.reset()
+
+
+def test_kernels_resources_without_a_gpu(capsys):
+    """kernels --resources compiles the MoE kernels for sm_90 on any machine with triton: each row names a kernel
+    with its registers, and the tensor-core path's dots are wgmma (HGMMA), which W as the dot's rows is for."""
+    pytest.importorskip("triton")
+    rows = bench.main(["kernels", "--resources", "--device", "cpu"])["kernels"]["rows"]
+    assert [r["kernel"] for r in rows] == ["GEMV gate | up", "GEMV down", "tensor-core gate | up", "tensor-core down"]
+    assert all(0 < r["registers"] <= 255 and r["stack_bytes"] >= 0 for r in rows)
+    assert all(r["wgmma"] > 0 for r in rows[2:]) and all(r["wgmma"] == 0 for r in rows[:2])
+    assert "compiled for sm_90" in capsys.readouterr().out
