@@ -33,7 +33,8 @@ Modes:
   tree    the DDTree build of one step at Kimi's vocabulary: the op-by-op builder vs the one-launch search (on a
           GPU), and the vocabulary ranking both share, per budget; the two trees compared field by field.
   kernels the INT4 MoE and MLA attention kernels against their references at K2.6 shapes (GPU): error, eager /
-          CUDA-graph / cold-L2 time, share of the copy bandwidth; --sweep: their launch configs.
+          CUDA-graph / cold-L2 time, share of the copy bandwidth; --sweep: their launch configs; --resources
+          (any machine): the MoE kernels compiled for sm_90, their registers, spills and tensor-core instructions.
   all     the three in turn (e2e, layers, peer).
 
     python bench.py e2e                                   # bundled tiny model + drafter (CPU ok)
