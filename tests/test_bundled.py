@@ -7,7 +7,7 @@ import os
 import torch
 
 import checkpoint as C
-import draft as D
+import draft as dflash
 import generate as G
 import model as M
 from tokenizer import Tokenizer
@@ -27,7 +27,7 @@ def test_bundled_pair_takes_the_k26_path():
     assert moe.experts.w13_packed.dtype == torch.int32 and not hasattr(moe.experts, "w13")   # never dequantized
     tok = Tokenizer.from_dir(ckpt)
     assert tok.vocab_size == args.vocab_size and tok.num_base_tokens + 256 == tok.vocab_size
-    drafter = D.load_drafter(draft, target.args, torch.device("cpu"), torch.float32)
+    drafter = dflash.load_drafter(draft, target.args, torch.device("cpu"), torch.float32)
     prompt = tok.encode("def read_config(path):\n    \"\"\"Read a JSON config file.\"\"\"\n    with open(path) as f:\n")
     ar = G.generate(target, prompt, 40, max_seq_len=160)
     st = G.Stats()
