@@ -329,13 +329,22 @@ class Rows:
         if self.on_tokens:
             self.on_tokens(b, out[n0:])
         if tokens[-1] == verify.NO_TOKEN and not self.done[b]:
-            when = f"decoding step {self.steps}" if self.steps else "prefill"
-            when += f", prompt {b}" * (len(self.done) > 1)
-            raise no_token_error(when, self.lens[b] - 1, self.temperature)
+            raise self.no_token(b)
 
     def finish(self, b: int, why: str) -> None:
         self.done[b], self.stats.stopped = True, why
         self.step.state.active[b] = False     # the step masks row b from now on
+
+    def no_token(self, b: int) -> RuntimeError:
+        """The target's logits after row b's last position gave no token (verify.NO_TOKEN): the
+        run's end, an error naming the step and the position."""
+        when = f"decoding step {self.steps}" if self.steps else "prefill"
+        when += f", prompt {b}" * (len(self.done) > 1)
+        over = f", or past float32 divided by the temperature {self.temperature:g}" \
+            if self.temperature else ""
+        return RuntimeError(f"{when}: the target's logits after position {self.lens[b] - 1} give no "
+                            f"token (NaN or inf{over}); --debug names the first layer that makes NaN "
+                            f"or inf")
 
 
 def check_options(model, prompts, max_seq_len: int, budget, chain: bool, temperature: float,
@@ -349,13 +358,6 @@ def check_options(model, prompts, max_seq_len: int, budget, chain: bool, tempera
         raise ValueError("--budget auto chooses between a tree and one token: not with --chain")
     if mode not in runner.MODES:
         raise ValueError(f"mode {mode!r}: one of {', '.join(runner.MODES)}")
-
-
-def no_token_error(when: str, pos: int, temperature: float) -> RuntimeError:
-    """The target's logits after position `pos` gave no token (verify.NO_TOKEN): the run's end."""
-    over = f", or past float32 divided by the temperature {temperature:g}" if temperature else ""
-    return RuntimeError(f"{when}: the target's logits after position {pos} give no token (NaN or "
-                        f"inf{over}); --debug names the first layer that makes NaN or inf")
 
 
 def check_prompt(prompt_ids: list[int], vocab: int, max_seq_len: int, what: str = "") -> None:
