@@ -154,7 +154,7 @@ def test_drafter_train_forward_equals_inference(corpus):
                 block = torch.full((1, 8), drafter.mask_token_id)
                 block[0, 0] = tokens[b, a]
                 ctx_len, n_valid = torch.tensor([0]), torch.tensor([a])                   # context = positions < a
-                ref = drafter(target.embed_tokens(block), feats[b:b + 1, :a], ctx_len, n_valid)
+                ref = drafter.cached_forward(target.embed_tokens(block), feats[b:b + 1, :a], ctx_len, n_valid)
                 torch.testing.assert_close(h[b, i], ref[0], atol=1e-5, rtol=1e-5)
     # gradients reach the drafter only (the target and its shared embedding / lm_head stay frozen)
     target.requires_grad_(False)
