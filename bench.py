@@ -83,6 +83,7 @@ import torch.nn.functional as F
 
 import checkpoint as C
 import draft as dflash
+import files
 import kernels
 import model as M
 import runner
@@ -223,14 +224,28 @@ def load_prompts(path: str, n: int = 0) -> list[dict]:
     `path` ending in .txt: a list of held-out stdlib files (train.py's heldout_files.txt), see heldout_prompts."""
     if path.endswith(".txt"):
         return heldout_prompts(path, n)
-    with open(path) as f:
-        prompts = json.load(f)["prompts"]
+    prompts = read_prompt_set(path)
     by_cat: dict[str, list] = {}
     for p in prompts:
         by_cat.setdefault(p["category"], []).append(p)
     rounds = max(map(len, by_cat.values()))
     ordered = [ps[i] for i in range(rounds) for ps in by_cat.values() if i < len(ps)]
     return ordered[:n] if n > 0 else ordered
+
+
+def read_prompt_set(path: str) -> list[dict]:
+    """A prompt set file's prompts: {"prompts": [{"category": str, "text": str, ...}, ...]}, at least one; any
+    other shape is a ValueError naming the file and the field."""
+    f = C.Fields(files.read_json(path), path)
+    prompts = f.get("prompts")
+    if not isinstance(prompts, list) or not prompts:
+        raise f.bad("prompts", prompts, "a non-empty list of {category, text} objects")
+    for i, p in enumerate(prompts):
+        entry = C.Fields(p, path, f"prompts[{i}]")
+        for key in ("category", "text"):
+            if not isinstance(entry.get(key), str):
+                raise entry.bad(key, entry.get(key), "a string")
+    return prompts
 
 
 def encode_prompts(prompts: list[dict], tok_dir: str, vocab: int, chat: bool) -> tuple[list[list[int]], str]:
@@ -1786,16 +1801,26 @@ def plot(result: dict, path: str) -> str | None:
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{result['e2e']['target']} ({result['env']['gpu'] or 'CPU'})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with files.replacing(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
     return path
 
 
+def plot_path(out: str) -> str:
+    """The plot written beside the JSON --out."""
+    return os.path.splitext(out)[0] + ".png"
+
+
 def write_out(result: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    png = plot(result, os.path.splitext(path)[0] + ".png")
+    """The JSON, then its plot, each replacing its file whole: a failed write (a full disk) leaves the old
+    file and is one line naming --out."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        files.write_json(path, result, indent=1)
+        png = plot(result, plot_path(path))
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot write the results ({e.strerror or e})") from None
     print0(f"\nwrote {path}" + (f" and {png}" if png else ""))
 
 
@@ -1965,13 +1990,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--budgets auto: e2e only (not --batch)")
     if not os.path.isfile(a.prompts):
         p.error(f"--prompts {a.prompts}: expected a prompt set file (JSON, or a .txt list of held-out files)")
-    if a.out:           # checked before any work, not after it (the JSON, then the plot next to it)
+    if not a.prompts.endswith(".txt"):
+        try:
+            read_prompt_set(a.prompts)
+        except (OSError, ValueError) as e:
+            p.error(f"--prompts {e}")
+    if a.out is not None:   # checked before any work, not after it (the JSON, then the plot next to it)
         from cli import check_output_path
         if os.path.splitext(a.out)[1].lower() == ".png":
             p.error(f"--out {a.out}: the plot is written next to the JSON as <name>.png; name the JSON <name>.json")
         try:
+            paths = _e2e_paths(a)
+        except FileNotFoundError:
+            paths = ()                # bench_e2e names the missing checkpoint
+        inputs = (a.prompts, a.tokenizer, *paths)
+        try:
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-            check_output_path("--out", a.out)
+            check_output_path("--out", a.out, inputs)
+            check_output_path(f"--out {a.out}: its plot", plot_path(a.out), inputs)
         except (OSError, ValueError) as e:
             p.error(str(e) if isinstance(e, ValueError) else f"--out {a.out}: cannot create its directory ({e})")
     return a
@@ -2012,11 +2048,5 @@ def check_one_rank_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> No
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (FileNotFoundError, ValueError) as e:     # a missing checkpoint, a bad file: one line, as generate.py
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("\ninterrupted (Ctrl-C)", file=sys.stderr)
-        sys.exit(130)
+    from cli import exit_code
+    sys.exit(exit_code(main))    # a missing checkpoint, a bad file: one line, as generate.py

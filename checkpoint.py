@@ -36,6 +36,7 @@ import zlib
 import torch
 
 import model as M
+from files import json_kind, read_json, regular_file, replacing, write_json
 
 
 class CheckpointError(ValueError):
@@ -63,13 +64,6 @@ def _show(value) -> str:
     return r if len(r) <= 60 else r[:57] + "..."
 
 
-def _kind(value) -> str:
-    """What a JSON value is, in words: 'a list', 'a string', 'null'..."""
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-             float: "a number", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
-
-
 class Fields:
     """The fields of one JSON object of a config file, each read with its type and range checked:
 
@@ -84,7 +78,7 @@ class Fields:
     def __init__(self, obj, where: str, path: str = ""):
         if not isinstance(obj, dict):
             what = f"field {path}" if path else "the file"
-            raise ValueError(f"{where}: {what} must be a JSON object, got {_kind(obj)}")
+            raise ValueError(f"{where}: {what} must be a JSON object, got {json_kind(obj)}")
         self.obj, self.where, self.path = obj, where, path
 
     def name(self, key: str) -> str:
@@ -182,28 +176,6 @@ def read_config(path_or_dict, name: str = "config") -> tuple[dict, str]:
     if not os.path.exists(where):
         raise FileNotFoundError(f"{where}: config.json not found")
     return read_json(where), where
-
-
-MAX_JSON_BYTES = 1 << 28      # a config or index file, read whole: K2.6's index is ~10 MB
-
-
-def read_json(path: str) -> dict:
-    """A JSON file whose top level is an object; any other content (a device, a huge file too) is one error
-    naming the file."""
-    if not os.path.isfile(path):      # /dev/zero behind a symlink would be read forever
-        raise ValueError(f"{path}: not a regular file")
-    if os.path.getsize(path) > MAX_JSON_BYTES:
-        raise ValueError(f"{path}: {os.path.getsize(path)} bytes, more than a config file holds "
-                         f"({MAX_JSON_BYTES >> 20} MiB)")
-    try:
-        with open(path, "rb") as f:
-            obj = json.loads(f.read().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ValueError(f"{path}: not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})") \
-            from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: expected a JSON object at the top level, got {_kind(obj)}")
-    return obj
 
 
 def quant_args(q: Fields, hidden_size: int, moe_intermediate_size: int) -> M.QuantArgs:
@@ -358,7 +330,7 @@ def shard_files(ckpt_dir: str) -> dict[str, list[str] | None]:
     anywhere, as in the Hugging Face cache)."""
     check_dir(ckpt_dir)
     index = os.path.join(ckpt_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
+    if regular_file(index):
         weight_map = Fields(read_json(index), index).sub("weight_map", required=True)
         files: dict[str, list[str]] = {}
         for name, fname in weight_map.obj.items():
@@ -368,11 +340,11 @@ def shard_files(ckpt_dir: str) -> dict[str, list[str] | None]:
                                       f"shard file inside {ckpt_dir}")
             files.setdefault(fname, []).append(name)
         for fname in files:
-            if not os.path.isfile(os.path.join(ckpt_dir, fname)):
+            if not regular_file(os.path.join(ckpt_dir, fname)):     # a FIFO or a directory: not a regular file
                 raise CheckpointError(f"{index} names shard {fname}, which does not exist in {ckpt_dir}")
         return files
     single = os.path.join(ckpt_dir, "model.safetensors")
-    if os.path.exists(single):
+    if regular_file(single):      # a FIFO would block safetensors' open forever, Ctrl-C or not
         return {"model.safetensors": None}
     raise CheckpointError(f"{ckpt_dir}: no model.safetensors.index.json and no model.safetensors")
 
@@ -381,6 +353,8 @@ def open_shard(ckpt_dir: str, fname: str):
     """safetensors' safe_open of one shard (a context manager); an unreadable file is an error naming it."""
     from safetensors import safe_open
     path = os.path.join(ckpt_dir, fname)
+    if not regular_file(path):
+        raise CheckpointError(f"{path}: no such file")
     try:
         return safe_open(path, framework="pt", device="cpu")
     except Exception as e:
@@ -775,14 +749,14 @@ def save_checkpoint(state: dict[str, torch.Tensor], config: dict, out_dir: str, 
     weight_map, total = {}, 0
     for k, shard in enumerate(shards, 1):
         fname = f"model-{k:05d}-of-{n_shards:06d}.safetensors"    # K2.6 uses a 6-digit total
-        save_file({n: out[n] for n in shard}, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        with replacing(os.path.join(out_dir, fname)) as tmp:
+            save_file({n: out[n] for n in shard}, tmp, metadata={"format": "pt"})
         for n in shard:
             weight_map[n] = fname
             total += out[n].numel() * out[n].element_size()
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    write_json(os.path.join(out_dir, "model.safetensors.index.json"), {"metadata": {"total_size": total},
+                                                                       "weight_map": weight_map}, indent=1)
+    write_json(os.path.join(out_dir, "config.json"), config)
 
 
 def hf_state_dict(model: M.Transformer, int4: bool = False) -> dict[str, torch.Tensor | tuple]:

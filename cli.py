@@ -22,6 +22,7 @@ import sys
 import torch
 
 import checkpoint as C
+import files
 import generate as G
 import kernels
 import model as M
@@ -40,37 +41,28 @@ def check_args(a: argparse.Namespace) -> None:
         a.draft = a.ckpt + "-dflash" if a.draft is None else a.draft
         if a.tokenizer is None and a.prompt_ids is None:
             raise ValueError(f"--ckpt {a.ckpt} has no tokenizer: give the prompt as --prompt-ids (or pass --tokenizer)")
-    for flag, ok, want, got in [("--budget", a.budget == "auto" or 0 <= a.budget <= MAX_BUDGET,
-                                 f"in [0, {MAX_BUDGET}] or auto", a.budget),
-                                ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1", a.max_new_tokens),
-                                ("--max-seq-len", a.max_seq_len >= 2, ">= 2", a.max_seq_len),
-                                ("--temperature", verify.temperature_ok(a.temperature), verify.TEMPERATURE_RULE,
-                                 a.temperature),
-                                ("--top-k", a.top_k >= 0, ">= 0 (0: off)", a.top_k),
-                                ("--top-p", 0 < a.top_p <= 1, "in (0, 1]", a.top_p),
-                                ("--seed", 0 <= a.seed < 2**63, "in [0, 2^63)", a.seed)]:
-        if not ok:
-            raise ValueError(f"{flag} must be {want}, got {got}")
+    check_ranges([("--budget", a.budget == "auto" or 0 <= a.budget <= MAX_BUDGET,
+                   f"in [0, {MAX_BUDGET}] or auto", a.budget),
+                  ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1", a.max_new_tokens),
+                  ("--max-seq-len", a.max_seq_len >= 2, ">= 2", a.max_seq_len),
+                  ("--temperature", verify.temperature_ok(a.temperature), verify.TEMPERATURE_RULE,
+                   a.temperature),
+                  ("--top-k", a.top_k >= 0, ">= 0 (0: off)", a.top_k),
+                  ("--top-p", 0 < a.top_p <= 1, "in (0, 1]", a.top_p),
+                  ("--seed", 0 <= a.seed < 2**63, "in [0, 2^63)", a.seed)])
     for flag, path in (("--ckpt", a.ckpt), ("--draft", a.draft), ("--tokenizer", a.tokenizer)):
         if C.is_random(path) and flag != "--tokenizer":
             C.random_config(path)           # an unknown name: one line listing the random models there are
         elif path is not None and not os.path.isdir(path):
             raise ValueError(f"{flag} {path}: no such checkpoint directory")
     if a.device:
-        try:
-            kind = torch.device(a.device).type
-        except RuntimeError:
-            kind = None
-        if kind not in ("cpu", "cuda"):       # meta, mps, xpu...: this engine runs on CUDA GPUs or the CPU
-            raise ValueError(f"--device {a.device!r}: expected cpu, cuda or cuda:N")
-    if a.device and a.device.startswith("cuda") and (torch.device(a.device).index or 0) >= torch.cuda.device_count():
-        why = "this torch is a CPU-only build" if torch.version.cuda is None else "no such CUDA device is visible"
-        raise ValueError(f"--device {a.device}: {why} (torch {torch.__version__}); use --device cpu")
+        check_device(a.device)
     if a.prompt_ids is not None:
-        try:
-            a.prompt_ids = [int(t) for t in a.prompt_ids.split(",")]
-        except ValueError:
-            raise ValueError(f"--prompt-ids {a.prompt_ids!r}: expected comma-separated token ids, e.g. 1,2,3") from None
+        from tokenizer import is_id
+        ids = [t.strip() for t in a.prompt_ids.split(",")]
+        if not all(map(is_id, ids)):       # as the tokenizer files spell ids: not '1_0' (token 10 to int()), '+1'
+            raise ValueError(f"--prompt-ids {a.prompt_ids!r}: expected comma-separated token ids, e.g. 1,2,3")
+        a.prompt_ids = [int(t) for t in ids]
     a.prompt_texts = None
     if a.prompts is not None:
         text = read_text("--prompts", a.prompts, "a text file with one prompt per line")
@@ -87,12 +79,48 @@ def check_args(a: argparse.Namespace) -> None:
                              + ("--budget 0" if a.draft else "no --draft"))
     if a.cuda_graph and (a.device == "cpu" or not torch.cuda.is_available()):
         raise ValueError("--cuda-graph needs a CUDA device")
-    if a.trace:
-        check_output_path("--trace", a.trace)
+    if a.trace is not None:
+        check_output_path("--trace", a.trace, inputs=(a.prompts, a.ckpt, a.draft, a.tokenizer))
     if a.show_tree and a.prompts:
         raise ValueError("--show-tree prints one sequence's trees: not with --prompts")
     if (a.raw or a.prompt_ids is not None) and (a.system is not None or a.thinking is not None):
         raise ValueError("--system and --thinking/--no-thinking shape the chat template: not with --raw, --prompt-ids")
+
+
+def check_ranges(rows) -> None:
+    """rows of (flag, whether its value is good, what it must be, the value): the first bad one is a ValueError
+    `<flag> must be <what>, got <value>`."""
+    for flag, ok, want, got in rows:
+        if not ok:
+            raise ValueError(f"{flag} must be {want}, got {got}")
+
+
+def check_device(device: str) -> None:
+    """--device: cpu, cuda or cuda:N, and a CUDA device this torch can see (a ValueError naming the flag)."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):       # meta, mps, xpu...: this engine runs on CUDA GPUs or the CPU
+        raise ValueError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    if kind == "cuda" and (torch.device(device).index or 0) >= torch.cuda.device_count():
+        why = "this torch is a CPU-only build" if torch.version.cuda is None else "no such CUDA device is visible"
+        raise ValueError(f"--device {device}: {why} (torch {torch.__version__}); use --device cpu")
+
+
+def exit_code(run) -> int:
+    """run() under the project's rule for a script's end (bench.py, train.py): a user mistake or a file that
+    cannot be read or written is one line `error: ...` and exit code 2; Ctrl-C is one line and 130."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        run()
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    return 0
 
 
 def read_text(flag: str, path: str, want: str, limit: int = 1 << 30) -> str:
@@ -137,15 +165,22 @@ def universal_newlines(text: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def check_output_path(flag: str, path: str) -> None:
-    """Before any work: `path` can be written (its directory exists, it is not a directory, it may be created or
-    overwritten). The probe creates the file and removes it again if it was not there."""
+def check_output_path(flag: str, path: str, inputs=()) -> None:
+    """Before any work: `path` can be written (its directory exists, it is not a directory, a FIFO or a device,
+    it may be created or overwritten) and is none of the files the run reads (`inputs`: files, or directories
+    standing for their files). The probe creates the file and removes it again if it was not there."""
+    if not path:
+        raise ValueError(f"{flag} {path!r}: expected a file name")
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a directory: expected a file to write")
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {path}: no such directory to write the file in ({parent})")
-    existed = os.path.exists(path)
+    try:
+        existed = files.regular_file(path)      # a FIFO would block the probe's open until a reader came
+    except ValueError as e:
+        raise ValueError(f"{flag} {e}: expected a file to write") from None
+    files.check_not_input(flag, path, inputs)
     try:
         with open(path, "ab"):
             pass

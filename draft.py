@@ -36,7 +36,6 @@ checkpoint I/O (config parsing, loader, writer, tiny config). The rotary embeddi
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint as C
+from files import replacing, write_json
 import kernels
 import model as M
 from checkpoint import CheckpointError
@@ -619,9 +619,9 @@ def write_drafter(path: str, drafter_or_state, config: dict, n_shards: int = 1) 
         C.save_checkpoint(state, config, path, n_shards=n_shards, vision=False, prefix="")
         return
     os.makedirs(path, exist_ok=True)
-    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    with replacing(os.path.join(path, "model.safetensors")) as tmp:
+        save_file(state, tmp, metadata={"format": "pt"})
+    write_json(os.path.join(path, "config.json"), config)
 
 
 def tiny_draft_config(target_args: M.ModelArgs, **over) -> dict:

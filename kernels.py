@@ -764,9 +764,9 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
 # summed in f16x2, converted to fp32 once; no load masks when tiles fit (EVEN).
 # Stage 1 (gate | up) may split D over SPLIT_K programs when few experts are live (TP8 decode); _moe_prep_f16 then
 # sums the slices, applies SwiGLU, packs h for stage 2 (down, x routing weight).
-# Many pairs (MOE_MMA_MIN_PAIRS on: batches, prefill) and fp32 activations: each weight tile is dequantized in
-# registers once and meets all its expert's pairs (BLOCK_M at a time) in tensor-core dots; SwiGLU is applied where
-# gate and up leave the gate | up GEMM, so h goes to the down GEMM in one store. The interpreter (CPU tests) cannot
+# Many pairs (MOE_MMA_MIN_PAIRS on: batches, prefill) and fp32 activations: one grouped W4A16 kernel, launched for
+# gate | up and for down: each weight tile is dequantized in registers once and meets all its expert's pairs
+# (BLOCK_M at a time) in tensor-core dots; the down launch forms SwiGLU(gate, up) as it loads its A. The interpreter (CPU tests) cannot
 # run PTX: there the GEMV uses _dequant_dot_portable, the same data in plain Triton. Per-pair buffers, no atomics:
 # the same bits each run.
 
@@ -1045,79 +1045,61 @@ def _moe_down_gemv(hk_ptr, hs_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, sl
 def _int4_plane(words, s, i: tl.constexpr, dtype: tl.constexpr):
     # nibble i of each word [BN, BW] -> the weights of columns 8w + i, times their group scales s [BN, BW] (fp32):
     # one rounding to the activations' dtype, as the reference's dequantization. Taking the columns of a tile as 8
-    # planes of stride 8 (x read at the same columns) needs no shuffle of registers: a dot sums in any order.
+    # planes of stride 8 (A read at the same columns) needs no shuffle of registers: a dot sums in any order.
     q = ((words >> (4 * i)) & 0xF) - 8
     return (q.to(tl.float32) * s).to(dtype)
 
 
 @triton.jit
-def _int4_mma(a_rows, m_mask, w_rows, s_rows, n_mask, n_words, acc, GW: tl.constexpr, BLOCK_W: tl.constexpr):
-    # acc [BM, BN] += A [BM, 8 n_words] (rows a_rows [BM, 1]) @ W^T, W [BN, 8 n_words] INT4 (w_rows / s_rows [BN, 1]):
-    # each weight tile is loaded and dequantized once for all BM rows, then 8 tensor-core dots, one per plane
-    for w0 in range(0, n_words, BLOCK_W):
-        ww = w0 + tl.arange(0, BLOCK_W)
-        w_mask = n_mask[:, None] & (ww < n_words)[None, :]
-        words = tl.load(w_rows + ww[None, :], mask=w_mask, other=0)                          # [BN, BW] int32
-        s = tl.load(s_rows + (ww // GW)[None, :], mask=w_mask, other=0.0).to(tl.float32)     # its scale per word
-        for i in tl.static_range(8):
-            a = tl.load(a_rows + (8 * ww + i)[None, :], mask=m_mask[:, None] & (ww < n_words)[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(_int4_plane(words, s, i, a.dtype)), acc, input_precision="ieee")
-    return acc
+def _a_plane(a_rows, m_mask, cols, c_mask, N_A, SWIGLU: tl.constexpr, dtype: tl.constexpr):
+    # A^T at columns `cols` [BW] of rows a_rows [BM] -> [BW, BM] in dtype: the rows as stored, or SwiGLU of a gate |
+    # up row (gate at column c, up at N_A + c, fp32), formed as it is loaded
+    ptrs = a_rows[None, :] + cols[:, None]
+    mask = m_mask[None, :] & c_mask[:, None]
+    if SWIGLU:
+        g = tl.load(ptrs, mask=mask, other=0.0)
+        return (g * tl.sigmoid(g) * tl.load(ptrs + N_A, mask=mask, other=0.0)).to(dtype)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(dtype)
 
 
 @triton.jit
-def _moe_gate_up_mma(x_ptr, w_ptr, s_ptr, h_ptr, pair_ptr, slots_ptr, D, I, K,
-                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                     PDL: tl.constexpr):
-    # Program (slot, pid_n): rows pid_n*BLOCK_N.. of gate and of up of the slot-th used expert, for BLOCK_M of its
-    # pairs at a time -> h[pair] = SwiGLU = silu(gate) * up, in x's dtype (the down GEMM's input)
+def _moe_mma_kernel(a_ptr, w_ptr, s_ptr, topk_w_ptr, out_ptr, pair_ptr, slots_ptr, N, KW, A_STRIDE, ROWS_PER,
+                    GROUP: tl.constexpr, SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    # Program (slot, pid_n): rows pid_n*BLOCK_N.. of the slot-th used expert's W [N, 8 KW] (INT4, KW words a row)
+    # times A for BLOCK_M of its pairs at a time -> out[pair] (fp32; x routing weight if WEIGHTED). A's row of pair p:
+    # row p // ROWS_PER of a_ptr (x for gate | up: ROWS_PER = K) or SwiGLU of gu's row p (down). Each weight tile is
+    # loaded and dequantized once for all the pairs, then 8 tensor-core dots (one per plane) with W as the tile's
+    # rows (the dot's M: wgmma wants 64; the pairs are its N).
     _gdc(PDL)
     e, start, count = _load_slot(slots_ptr)
     if count == 0:
         return
     GW: tl.constexpr = GROUP // 8
-    DW, DG = D // 8, D // GROUP
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
-    w_gate = w_ptr + e * (2 * I) * DW + offs_n[:, None] * DW                 # gate rows 0..I-1, up rows I..2I-1
-    s_gate = s_ptr + e * (2 * I) * DG + offs_n[:, None] * DG
+    n_mask = offs_n < N
+    w_rows = w_ptr + e * N * KW + offs_n[:, None] * KW
+    s_rows = s_ptr + e * N * (KW // GW) + offs_n[:, None] * (KW // GW)
+    dtype = s_ptr.dtype.element_ty
     for m0 in range(0, count, BLOCK_M):                                       # usually one pass
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < count
         pair = tl.load(pair_ptr + start + offs_m, mask=m_mask, other=0)      # pair = t*K + k
-        x_rows = x_ptr + (pair // K)[:, None] * D
-        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        g = _int4_mma(x_rows, m_mask, w_gate, s_gate, n_mask, DW, zeros, GW, BLOCK_W)
-        u = _int4_mma(x_rows, m_mask, w_gate + I * DW, s_gate + I * DG, n_mask, DW, zeros, GW, BLOCK_W)
-        h = g * tl.sigmoid(g) * u
-        tl.store(h_ptr + pair[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _moe_down_mma(h_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, slots_ptr, D, I,
-                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                  PDL: tl.constexpr):
-    # Program (slot, pid_n): output columns pid_n*BLOCK_N.. of down_proj for the slot-th used expert's pairs, times
-    # each pair's routing weight -> y[pair] (fp32)
-    _gdc(PDL)
-    e, start, count = _load_slot(slots_ptr)
-    if count == 0:
-        return
-    GW: tl.constexpr = GROUP // 8
-    IW, IG = I // 8, I // GROUP
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < D
-    w_rows = w_ptr + e * D * IW + offs_n[:, None] * IW
-    s_rows = s_ptr + e * D * IG + offs_n[:, None] * IG
-    for m0 in range(0, count, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < count
-        pair = tl.load(pair_ptr + start + offs_m, mask=m_mask, other=0)
-        acc = _int4_mma(h_ptr + pair[:, None] * I, m_mask, w_rows, s_rows, n_mask, IW,
-                        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), GW, BLOCK_W)
-        acc = acc * tl.load(topk_w_ptr + pair, mask=m_mask, other=0.0)[:, None]
-        tl.store(y_ptr + pair[:, None] * D + offs_n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
+        a_rows = a_ptr + (pair // ROWS_PER) * A_STRIDE
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                  # out^T
+        for w0 in range(0, KW, BLOCK_W):
+            ww = w0 + tl.arange(0, BLOCK_W)
+            w_mask = n_mask[:, None] & (ww < KW)[None, :]
+            words = tl.load(w_rows + ww[None, :], mask=w_mask, other=0)                          # [BN, BW] int32
+            s = tl.load(s_rows + (ww // GW)[None, :], mask=w_mask, other=0.0).to(tl.float32)     # scale per word
+            for i in tl.static_range(8):
+                a = _a_plane(a_rows, m_mask, 8 * ww + i, ww < KW, 8 * KW, SWIGLU, dtype)       # [BW, BM]
+                acc = tl.dot(_int4_plane(words, s, i, dtype), a, acc, input_precision="ieee")
+        out = tl.trans(acc)                                                   # [BM, BN]
+        if WEIGHTED:
+            out = out * tl.load(topk_w_ptr + pair, mask=m_mask, other=0.0)[:, None]
+        tl.store(out_ptr + pair[:, None] * N + offs_n[None, :], out, mask=m_mask[:, None] & n_mask[None, :])
 
 
 def _split_k(n_units: int, n_programs: int, device) -> int:
@@ -1159,16 +1141,16 @@ def _mma_block_m(P: int, n_slots: int) -> int:
 
 def _moe_mma(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y, prep=None):
     (T, D), P, n_slots, I = x.shape, y.shape[0], slots.shape[0], w13_packed.shape[1] // 2
-    block_m = _mma_block_m(P, n_slots)
-    h = _empty((P, I), x.dtype, x.device)                                    # SwiGLU per pair
-    cfg = MOE_MMA_BLOCKS["gate_up"]
-    _moe_gate_up_mma[(n_slots, triton.cdiv(I, cfg["BLOCK_N"]))](
-        x, w13_packed, w13_scale, h, pair_ids, slots, D, I, P // max(T, 1), GROUP=group_size, BLOCK_M=block_m, **cfg,
-        **_pdl(x.device))
-    cfg = MOE_MMA_BLOCKS["down"]
-    _moe_down_mma[(n_slots, triton.cdiv(D, cfg["BLOCK_N"]))](
-        h, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I, GROUP=group_size, BLOCK_M=block_m, **cfg,
-        **_pdl(x.device))
+    cfg = dict(GROUP=group_size, BLOCK_M=_mma_block_m(P, n_slots), **_pdl(x.device))
+    gu = _empty((P, 2 * I), torch.float32, x.device)                         # gate | up per pair
+    c = MOE_MMA_BLOCKS["gate_up"]
+    _moe_mma_kernel[(n_slots, triton.cdiv(2 * I, c["BLOCK_N"]))](
+        x, w13_packed, w13_scale, topk_weights, gu, pair_ids, slots, 2 * I, D // 8, D, P // max(T, 1),
+        SWIGLU=False, WEIGHTED=False, **c, **cfg)
+    c = MOE_MMA_BLOCKS["down"]
+    _moe_mma_kernel[(n_slots, triton.cdiv(D, c["BLOCK_N"]))](                # A = SwiGLU(gate, up), as loaded
+        gu, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I // 8, 2 * I, 1,
+        SWIGLU=True, WEIGHTED=True, **c, **cfg)
 
 
 @triton.jit

@@ -49,6 +49,8 @@ import jinja2.ext
 import jinja2.sandbox
 import tiktoken
 
+from files import read_json, regular_file, write_text
+
 # The K2 pre-tokenizer regex, byte-identical to `pat_str` in every tokenization_kimi.py .
 # It is o200k's pattern plus a leading Han arm. `&&[^\p{Han}]` is character-class *intersection*: the
 # two letter arms exclude Han, so a Han run is always its own piece and no token can span Han and Latin.
@@ -97,10 +99,17 @@ def KIMI_SPECIAL_TOKENS(num_base: int) -> dict[int, str]:
 # -----------------------------------------------------------------------------
 # file formats: readers with errors that name file, line and field; writers for tests and the trainer
 
+def is_id(text: str | bytes) -> bool:
+    """An id (a rank, a token id) as the tokenizer files spell it: ASCII digits only, at most 18 of them. int()
+    alone would also take '-1', '1_0', '+3' and '²' ('²'.isdigit() is true, int('²') an error), and refuses a
+    5000-digit string with a message that names no file."""
+    return text.isascii() and text.isdigit() and len(text) <= 18
+
+
 def load_tiktoken_model(path: str | Path) -> dict[bytes, int]:
     """Parse tiktoken.model ourselves (not tiktoken.load) so every error names the file and line."""
     path = Path(path)
-    if not path.is_file():
+    if not regular_file(path):
         raise FileNotFoundError(f"tokenizer vocab not found: {path}")
     ranks: dict[bytes, int] = {}
     line_of_rank: dict[int, int] = {}
@@ -116,7 +125,7 @@ def load_tiktoken_model(path: str | Path) -> dict[bytes, int]:
                 token = base64.b64decode(fields[0], validate=True)
             except binascii.Error as e:
                 raise ValueError(f"{where}: bad base64 {fields[0][:80]!r} ({e})") from None
-            if not fields[1].isdigit():  # isdigit, not int(): int() would also take '-1', '1_0', '+3'
+            if not is_id(fields[1]):
                 raise ValueError(f"{where}: rank {fields[1][:80]!r} is not a non-negative integer")
             rank = int(fields[1])
             if not token:
@@ -134,33 +143,25 @@ def load_tiktoken_model(path: str | Path) -> dict[bytes, int]:
         top = max(line_of_rank)
         raise ValueError(f"{path}, line {line_of_rank[top]}: ranks must be 0..{len(ranks) - 1} without gaps, "
                          f"but rank {missing} is missing and this line has rank {top}")
+    # byte-level BPE: any text must encode, so every single byte is a token (tiktoken panics on one that is not)
+    if absent := [b for b in range(256) if bytes([b]) not in ranks]:
+        raise ValueError(f"{path}: no token for the single byte {absent[0]:#04x} ({len(absent)} of the 256 bytes "
+                         f"missing): expected every byte as a token of its own")
     return ranks
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:   # a device behind a symlink, a huge file
-        raise ValueError(f"{path}: not a regular file of at most {MAX_FILE_BYTES >> 20} MiB")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:    # RecursionError: nested too deep
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object at the top level")
-    return cfg
 
 
 def load_special_names(path: str | Path, num_base: int) -> dict[int, str]:
     """id -> name of every entry in tokenizer_config.json's `added_tokens_decoder`."""
     path = Path(path)
-    if not path.exists():
+    if not regular_file(path):
         raise FileNotFoundError(f"tokenizer config not found: {path}")
-    decoder = _read_json(path).get("added_tokens_decoder")
+    decoder = read_json(path).get("added_tokens_decoder")
     if not isinstance(decoder, dict):
         raise ValueError(f"{path}: field 'added_tokens_decoder' is missing or not an object")
     names: dict[int, str] = {}
     for key, entry in decoder.items():
-        field = f"added_tokens_decoder[{key!r}]"
-        if not key.isdigit():
+        field = f"added_tokens_decoder[{key if len(key) <= 24 else key[:21] + '...'!r}]"    # a key may be huge
+        if not is_id(key):
             raise ValueError(f"{path}: field {field}: key is not a token id")
         if not isinstance(entry, dict) or not isinstance(entry.get("content"), str) or not entry["content"]:
             raise ValueError(f"{path}: field {field}.content is missing or not a non-empty string")
@@ -178,7 +179,7 @@ def load_special_names(path: str | Path, num_base: int) -> dict[int, str]:
 def load_template_tokens(path: str | Path) -> dict[str, str]:
     """bos_token / eos_token / unk_token / pad_token from tokenizer_config.json (a name or {"content": name}).
     transformers passes these to every chat template, so we do too."""
-    cfg, tokens = _read_json(Path(path)), {}
+    cfg, tokens = read_json(Path(path)), {}
     for field in ("bos_token", "eos_token", "unk_token", "pad_token"):
         value = cfg.get(field)
         value = value.get("content") if isinstance(value, dict) else value
@@ -190,9 +191,9 @@ def load_template_tokens(path: str | Path) -> dict[str, str]:
 def load_eos_ids(path: str | Path) -> set[int]:
     """`eos_token_id` (int or list) from an optional generation_config.json; empty set if absent."""
     path = Path(path)
-    if not path.is_file():
+    if not regular_file(path):
         return set()
-    eos = _read_json(path).get("eos_token_id")
+    eos = read_json(path).get("eos_token_id")
     eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
     if not isinstance(eos, list) or not all(type(i) is int and i >= 0 for i in eos):  # type(): bool is an int
         raise ValueError(f"{path}: field 'eos_token_id' must be an id or a list of ids, got {eos!r}")
@@ -291,7 +292,7 @@ def load_chat_template(directory: str | Path) -> str | None:
     """chat_template.jinja, else tokenizer_config.json's `chat_template` (a string, or HF's list of named
     templates: the one named "default"), else None."""
     directory = Path(directory)
-    if (directory / CHAT_TEMPLATE_FILE).is_file():
+    if regular_file(directory / CHAT_TEMPLATE_FILE):
         if (directory / CHAT_TEMPLATE_FILE).stat().st_size > MAX_FILE_BYTES:
             raise ValueError(f"{directory / CHAT_TEMPLATE_FILE}: more than {MAX_FILE_BYTES >> 20} MiB")
         try:
@@ -300,7 +301,7 @@ def load_chat_template(directory: str | Path) -> str | None:
             raise ValueError(f"{directory / CHAT_TEMPLATE_FILE}: not UTF-8 text ({e.reason} at byte {e.start})") \
                 from None
     path = directory / "tokenizer_config.json"
-    template = _read_json(path).get("chat_template") if path.is_file() else None
+    template = read_json(path).get("chat_template") if regular_file(path) else None
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
@@ -311,9 +312,8 @@ def load_chat_template(directory: str | Path) -> str | None:
 
 
 def write_tiktoken_model(path: str | Path, ranks: dict[bytes, int]) -> None:
-    with open(path, "w", encoding="ascii") as f:
-        for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-            f.write(f"{base64.b64encode(token).decode('ascii')} {rank}\n")
+    write_text(path, "".join(f"{base64.b64encode(token).decode('ascii')} {rank}\n"
+                             for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])))
 
 
 def write_tokenizer_config(path: str | Path, special: dict[int, str]) -> None:
@@ -324,12 +324,12 @@ def write_tokenizer_config(path: str | Path, special: dict[int, str]) -> None:
         if name in special.values():
             cfg[field] = name
     cfg["tokenizer_class"] = "TikTokenTokenizer"
-    Path(path).write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_text(path, json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def write_chat_template(directory: str | Path, template: str = KIMI_CHAT_TEMPLATE) -> None:
     """The chat template file a K2.6 checkpoint ships next to its tokenizer_config.json."""
-    Path(directory, CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
+    write_text(Path(directory, CHAT_TEMPLATE_FILE), template)
 
 # -----------------------------------------------------------------------------
 
@@ -648,7 +648,7 @@ class Tokenizer:
     def __init__(self, mergeable_ranks: dict[bytes, int], special_names: dict[int, str],
                  eos_ids: Iterable[int] = (), name: str = "kimi", chat_template: str | None = None,
                  template_tokens: dict[str, str] | None = None, source: str = "this tokenizer",
-                 template_file: str | None = None):
+                 template_file: str | None = None, eos_file: str = "eos_ids"):
         self.num_base_tokens = len(mergeable_ranks)
         n = self.num_base_tokens
         # every named id, plus reserved names for the gaps in n..n+255 (more if a name sits beyond that)
@@ -662,7 +662,8 @@ class Tokenizer:
         self.stop_ids = {self.special_tokens[s] for s in ("<|im_end|>", "[EOS]") if s in self.special_tokens}
         self.stop_ids |= set(eos_ids)
         if bad := sorted(i for i in self.stop_ids if i >= self.vocab_size):
-            raise ValueError(f"eos ids {bad} are outside the vocab (n_vocab={self.vocab_size})")
+            raise ValueError(f"{eos_file}: field eos_token_id: ids {bad} are outside the vocabulary: expected ids in "
+                             f"[0, {self.vocab_size})")
         self.chat_template = chat_template              # Jinja source; settable, compiled on first use
         self.template_tokens = dict(template_tokens or {})
         self.source = source
@@ -685,7 +686,7 @@ class Tokenizer:
         return cls(ranks, special, load_eos_ids(path / "generation_config.json"), name=path.name or "kimi",
                    chat_template=load_chat_template(path),
                    template_tokens=load_template_tokens(path / "tokenizer_config.json"), source=str(path),
-                   template_file=str(template_file))
+                   template_file=str(template_file), eos_file=str(path / "generation_config.json"))
 
     @property
     def template_name(self) -> str:

@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+import files
+
 W, H, COL, ROW = 152, 50, 184, 58        # a node's box; the column and row pitch of a drawn tree (px)
 TAIL = 240                               # characters of committed text shown before a step's new tokens
 SHOWN = ("ckpt", "draft", "budget", "chain", "temperature", "top_k", "top_p", "seed", "max_new_tokens", "dtype",
@@ -101,8 +103,8 @@ class Trace:
         self.runs[-1][b].steps.append(read_step(view, b, new_tokens, self.temperature))
 
     def write(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.page())
+        """The page, replacing the file at path whole (a failed write leaves the previous page)."""
+        files.write_text(path, self.page())
 
     # ---- the page: a header, then per section its prompt, text and steps ----
 

@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
-import json
 import math
 import os
 import shutil
@@ -49,6 +48,8 @@ import torch.nn.functional as F
 
 import checkpoint as C
 import draft as D
+import files
+from cli import check_device, check_ranges, exit_code
 import model as M
 import tokenizer as tk
 import verify as V
@@ -169,7 +170,7 @@ def write_tokenizer(out_dir: str, ranks: dict[bytes, int]) -> tk.Tokenizer:
     tk.write_tokenizer_config(os.path.join(out_dir, "tokenizer_config.json"), tk.KIMI_SPECIAL_TOKENS(n))
     tk.write_chat_template(out_dir)
     gen = {"bos_token_id": n, "eos_token_id": n + 1, "pad_token_id": n + 255, "do_sample": False}
-    Path(out_dir, "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    files.write_json(os.path.join(out_dir, "generation_config.json"), gen)
     return tk.Tokenizer.from_dir(out_dir)
 
 
@@ -362,7 +363,7 @@ def expert_forward(model: M.Transformer, dense: bool = False, int4: tuple | None
     wt = (lambda w: w + (int4_roundtrip(w, *int4).to(w.dtype) - w).detach()) if int4 else (lambda w: w)
     experts = [layer.mlp.experts for layer in model.layers if isinstance(layer.mlp, M.MoE)]
     for ex in experts:
-        ex.forward = lambda x, w, ids, shared, ex=ex: fn(x, ids, w, wt(ex.w13), wt(ex.w2)) + shared(x).float()
+        ex.forward = lambda x, w, ids, ex=ex: fn(x, ids, w, wt(ex.w13), wt(ex.w2))
     try:
         yield
     finally:
@@ -434,7 +435,7 @@ def check_target_dir(path: str) -> Path:
 def earlier_log(src: Path) -> dict:
     """The train_log.json the earlier run wrote next to src (its <out>), or {} if it was killed before that."""
     path = src.resolve().parent / "train_log.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return files.read_json(str(path)) if files.regular_file(path) else {}
 
 
 def adopt_target_settings(p: dict, log: dict) -> None:
@@ -450,7 +451,7 @@ def copy_target(src: Path, tdir: str) -> tk.Tokenizer:
     """src's files into tdir (unless src is tdir); the tokenizer is read from the copy: the corpus is encoded by
     the files that ship, as when step 2 trains the BPE."""
     if src.resolve() != Path(tdir).resolve():
-        shutil.copytree(src, tdir, dirs_exist_ok=True)
+        shutil.copytree(src, tdir, dirs_exist_ok=True, copy_function=files.copy_file)
     return tk.Tokenizer.from_dir(tdir)
 
 
@@ -702,7 +703,7 @@ def stage_clock(r: dict) -> Callable[[str], None]:
 
 def write_log(out: str, log: dict, r: dict) -> None:
     log["results"] = r
-    Path(out, "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    files.write_json(os.path.join(out, "train_log.json"), log, indent=1)
 
 
 def write_model_card(out: str, r: dict, p: dict) -> None:
@@ -758,15 +759,41 @@ temperature 1 (labels = the target's distribution at each position). Held-out lo
 
 Total on disk: {mb(r['total_bytes'])} (budget {mb(SIZE_BUDGET)}).
 """
-    Path(out, "model_card.md").write_text(card)
+    files.write_text(os.path.join(out, "model_card.md"), card)
+
+
+def check_args(a: argparse.Namespace) -> Path | None:
+    """Every flag, before the corpus is read: a ValueError naming the flag. Returns the --target-from dir."""
+    check_ranges([("--steps", a.steps is None or a.steps >= 1, ">= 1", a.steps),
+                  ("--draft-steps", a.draft_steps is None or a.draft_steps >= 1, ">= 1", a.draft_steps),
+                  ("--max-files", a.max_files is None or a.max_files >= 0, ">= 0 (0: all)", a.max_files),
+                  ("--seed", 0 <= a.seed < 2**63, "in [0, 2^63)", a.seed)])
+    if a.device:
+        check_device(a.device)
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise ValueError(f"--out {a.out}: not a directory: expected the output directory (made if missing)")
+    src = check_target_dir(a.target_from) if a.target_from else None
+    try:
+        os.makedirs(a.out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {a.out}: cannot make the directory ({e.strerror.lower()})") from None
+    if src is not None:                     # what this run writes must not be a file of the target it reads
+        tdir = os.path.join(a.out, TARGET_DIR)
+        copied = [] if os.path.exists(tdir) and os.path.samefile(src, tdir) else \
+            [os.path.join(tdir, n) for n in os.listdir(src)]
+        written = copied + [os.path.join(a.out, DRAFT_DIR, n) for n in ("config.json", "model.safetensors")] + \
+            [os.path.join(a.out, n) for n in ("heldout_files.txt", "model_card.md")]
+        for path in written:
+            files.check_not_input("--out", path, [src])
+    return src
 
 
 def main(a: argparse.Namespace) -> dict:
+    src = check_args(a)                                                    # fail before any work
     p = dict(PRESETS[a.preset])
     p.update({k: v for k, v in dict(steps=a.steps, draft_steps=a.draft_steps, max_files=a.max_files).items()
               if v is not None})
     p.setdefault("qat_steps", max(1, p["steps"] // 10))
-    src = check_target_dir(a.target_from) if a.target_from else None      # fail before any work
     earlier = earlier_log(src) if src else {}
     adopt_target_settings(p, earlier)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -784,7 +811,7 @@ def main(a: argparse.Namespace) -> dict:
 
     # 1. corpus
     train_texts, val_texts, held = load_corpus(p["max_files"])
-    Path(out, "heldout_files.txt").write_text("\n".join(held) + "\n")
+    files.write_text(os.path.join(out, "heldout_files.txt"), "\n".join(held) + "\n")
     r.update(train_files=len(train_texts), val_files=len(held))
     lap("corpus")
 
@@ -870,4 +897,4 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    sys.exit(exit_code(lambda: main(parse_args())))

@@ -79,6 +79,7 @@ def spy_steps(monkeypatch):
     return kinds, catch_ups
 
 
+@pytest.mark.quick
 def test_greedy_scripted_switches_equal_autoregressive(target, drafter, ar, monkeypatch):
     """Trees and one-token stretches in any order commit the autoregressive tokens; a catch_up runs before each tree
     that follows one-token steps (and only then), over the last block of committed tokens, and leaves in ctx_feats

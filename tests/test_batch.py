@@ -20,7 +20,7 @@ def pair():
 PROMPTS = [[5, 9, 2], list(range(10, 40)), [7], list(range(50, 62))]
 
 
-@pytest.mark.parametrize("budget", [0, 4, 16])
+@pytest.mark.parametrize("budget", [0, pytest.param(4, marks=pytest.mark.quick), 16])
 def test_batch_equals_single(pair, budget):
     target, drafter = pair
     drafter = drafter if budget else None
@@ -68,3 +68,25 @@ def test_finished_rows_are_frozen(pair, monkeypatch):
     for b in (0, 1):
         assert out[b] == G.generate(target, prompts[b], 20, drafter=drafter, budget=8, max_seq_len=96,
                                     stop_ids=[first])
+
+
+@pytest.mark.quick
+def test_a_row_that_stops_early_while_the_others_reach_the_cache_end(pair, monkeypatch):
+    """Row 1 stops on a stop token within its first 6 tokens; the others decode on to the cache end. A finished
+    row commits nothing more: its cache position stays (were it to advance, its writes would run on towards its
+    cache row's end), and every row equals its own run."""
+    target, drafter = pair
+    starts, run = [], G.Step.run
+
+    def spy(self, fn, hook=None):
+        out = run(self, fn, hook)
+        starts.append(int(self.state.start[1]))
+        return out
+    prompts = [[5, 9, 2], [7, 7], list(range(10, 22))]
+    free = [G.generate(target, p, 100, drafter=drafter, budget=4, max_seq_len=48) for p in prompts]
+    stop = next(t for t in free[1][1:6] if all(t not in o for b, o in enumerate(free) if b != 1))
+    alone = [G.generate(target, p, 100, drafter=drafter, budget=4, max_seq_len=48, stop_ids=[stop]) for p in prompts]
+    assert len(alone[1]) <= 6 and all(len(p) + len(o) == 49 for b, (p, o) in enumerate(zip(prompts, alone)) if b != 1)
+    monkeypatch.setattr(G.Step, "run", spy)
+    assert G.generate_batch(target, prompts, 100, drafter=drafter, budget=4, max_seq_len=48, stop_ids=[stop]) == alone
+    assert len(starts) > 12 and len(set(starts[6:])) == 1, starts

@@ -789,6 +789,288 @@ def test_stdout_closed_by_the_reader():
 
 
 # ----------------------------------------------------------------------------------------------
+# outputs that are inputs, half-written files, files that are not regular files (issue 48)
+
+def within(seconds: int, fn):
+    """fn(), which must end within `seconds` (a FIFO opened for reading would block forever): SIGALRM ends a
+    wait that Python's open retries."""
+    def late(*_):
+        raise TimeoutError(f"still blocked after {seconds} s")
+    old = signal.signal(signal.SIGALRM, late)
+    signal.alarm(seconds)
+    try:
+        return fn()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_outputs_never_overwrite_inputs(ckpt, tmp_path, capsys, monkeypatch):
+    """--trace or bench's --out (or the plot beside it) naming a file the run reads (the prompts, a checkpoint
+    file, directly or through a link) used to replace it and exit 0: now refused before any work."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\n")
+    link = tmp_path / "cfg.html"
+    link.symlink_to(ckpt / "config.json")
+    no_loading(monkeypatch)
+    before = {f: f.read_bytes() for f in (prompts, ckpt / "config.json", ckpt / "draft" / "config.json")}
+    for argv, words in [(["--prompts", prompts, "--raw", "--trace", prompts], f"--trace {prompts}: a file the run reads"),
+                        (["--prompt-ids", "1", "--trace", ckpt / "config.json"],
+                         f"--trace {ckpt / 'config.json'}: a file of {ckpt}, which the run reads"),
+                        (["--prompt-ids", "1", "--trace", link],
+                         f"--trace {link}: a file of {ckpt}, which the run reads (it is {ckpt / 'config.json'})"),
+                        (["--prompt-ids", "1", "--trace", ckpt / "draft" / "config.json"],
+                         f"a file of {ckpt / 'draft'}, which the run reads")]:
+        code, _, err = run_cli(capsys, "--ckpt", ckpt, "--draft", ckpt / "draft", *argv, "--quiet")
+        assert one_line(code, err, words, "name another file"), err
+    sets = tmp_path / "set.json"
+    sets.write_text(json.dumps({"prompts": [{"category": "code", "text": "x"}]}))
+    (tmp_path / "r.png").symlink_to(sets)          # the plot beside r.json would replace the prompt set
+    before[sets] = sets.read_bytes()
+    for out in (sets, tmp_path / "r.json"):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["e2e", "--prompts", str(sets), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "a file the run reads" in err and "Traceback" not in err, err
+    assert all(f.read_bytes() == b for f, b in before.items())
+
+
+def test_train_out_never_overwrites_the_target_it_reads(ckpt, tmp_path, monkeypatch, capsys):
+    """train.py --target-from SRC --out OUT, where OUT's drafter directory is SRC: the drafter's config.json
+    would replace the target's."""
+    import train as TR
+    src = copy_of(ckpt, tmp_path, "src")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / TR.DRAFT_DIR).symlink_to(src)
+    monkeypatch.setattr(TR, "load_corpus", lambda *a: pytest.fail("the corpus was read before the checks"))
+    code = cli.exit_code(lambda: TR.main(TR.parse_args(["--out", str(tmp_path / "out"), "--target-from", str(src)])))
+    err = capsys.readouterr().err
+    assert one_line(code, err, "--out", f"a file of {src}, which the run reads (it is {src / 'config.json'})"), err
+
+
+def failing_open(real_open=open):
+    """open() whose files take a few bytes, then fail as a full disk does."""
+    import errno
+    import io
+
+    class Full(io.StringIO):
+        def __init__(self, path):
+            super().__init__()
+            self.f = real_open(path, "w")
+
+        def write(self, text):
+            self.f.write(text[:10])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __exit__(self, *exc):
+            self.f.close()
+    return lambda path, mode="r", **kw: Full(path) if "w" in mode else real_open(path, mode, **kw)
+
+
+def test_a_failed_write_leaves_the_old_file(ckpt, tmp_path, capsys, monkeypatch):
+    """A full disk while --trace or bench's --out is written used to leave a fragment (or 0 bytes) in place of
+    the old file: the write goes to a temporary file, and the old file stays whole; the error is one line."""
+    import files
+    page = tmp_path / "t.html"
+    page.write_text("OLD PAGE")
+    monkeypatch.setattr(files, "open", failing_open(), raising=False)
+    code, _, err = run_cli(capsys, "--ckpt", ckpt, "--draft", ckpt / "draft", "--prompt-ids", "1,2",
+                           "--max-new-tokens", "3", "--trace", page, "--quiet")
+    assert one_line(code, err, f"--trace {page}: cannot write the page", "No space left on device"), err
+    results = tmp_path / "r.json"
+    results.write_text("OLD RESULTS")
+    with pytest.raises(ValueError, match=re.escape(f"--out {results}: cannot write the results (No space left")):
+        bench.write_out({"bench": "x"}, str(results))
+    assert page.read_text() == "OLD PAGE" and results.read_text() == "OLD RESULTS"
+    assert sorted(os.listdir(tmp_path)) == ["r.json", "t.html"]          # no temporary file left
+
+
+def test_written_files_get_the_umask_permissions(ckpt, tmp_path):
+    """train.py's exported model.safetensors used to be 0600 (the temporary file's mode): unreadable to the
+    others sharing a checkpoint folder."""
+    cfg = json.loads((ckpt / "draft" / "config.json").read_text())
+    old = os.umask(0o022)
+    try:
+        dflash.write_drafter(str(tmp_path / "d"), dflash.DFlashDrafter(dflash.DraftArgs.from_config(cfg)), cfg)
+    finally:
+        os.umask(old)
+    for name in ("model.safetensors", "config.json"):
+        assert os.stat(tmp_path / "d" / name).st_mode & 0o777 == 0o644, name
+
+
+@pytest.mark.parametrize("where", ["drafter", "target", "shard", "folder", "trace"])
+def test_paths_that_are_not_regular_files(ckpt, tmp_path, capsys, monkeypatch, where):
+    """A FIFO model.safetensors (the drafter's, or the target's without an index) used to block forever in
+    safetensors' open, and Ctrl-C could not end it; --trace to a FIFO blocked before any work; a FIFO shard was
+    called missing, a folder named model.safetensors 'No such device'. Each is now `PATH: not a regular file`."""
+    ck = copy_of(ckpt, tmp_path)
+    args = ["--ckpt", ck, "--draft", ck / "draft", "--prompt-ids", "1,2", "--quiet"]
+    if where == "drafter":
+        bad = ck / "draft" / "model.safetensors"
+    elif where == "target":
+        (ck / "model.safetensors.index.json").unlink()
+        bad = ck / "model.safetensors"
+    elif where == "shard":
+        bad = ck / json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"][
+            "language_model.model.embed_tokens.weight"]
+    elif where == "trace":
+        bad = tmp_path / "t.html"
+        args += ["--trace", bad]
+    if where == "folder":
+        (ck / "draft" / "model.safetensors").unlink()
+        (ck / "draft" / "model.safetensors").mkdir()
+        bad = ck / "draft" / "model.safetensors"
+    else:
+        if bad.exists():
+            bad.unlink()
+        os.mkfifo(bad)
+    code, _, err = within(60, lambda: run_cli(capsys, *args))
+    assert one_line(code, err, f"{bad}: not a regular file"), err
+
+
+def test_ctrl_c_ends_a_wait_on_a_pipe(ckpt, tmp_path, capsys):
+    """--prompts <(...) is read like a file, so its open waits for a writer: Ctrl-C ends the wait, exit 130."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        code, _, err = run_cli(capsys, "--ckpt", ckpt, "--prompts", fifo, "--raw", "--quiet")
+    finally:
+        timer.cancel()
+    assert one_line(code, err, "interrupted (Ctrl-C)", rc=130), err
+
+
+def test_tiktoken_model_without_a_single_byte(ckpt, tmp_path, capsys):
+    """A tiktoken.model lacking a single-byte token passed the loader, then tiktoken panicked on encode (a
+    PanicException, which no `except Exception` catches)."""
+    tok = tokenizer_dir(ckpt, tmp_path)
+    ranks = {bytes([i]): i for i in range(256) if i != 0x41}
+    ranks = {t: r for r, t in enumerate(ranks)} | {b"AB": 255}
+    write_tiktoken_model(tok / "tiktoken.model", ranks)
+    with pytest.raises(ValueError, match=re.escape(str(tok / "tiktoken.model")) + ": no token for the single byte 0x41"):
+        Tokenizer.from_dir(tok)
+    code, _, err = run_cli(capsys, "--ckpt", ckpt, "--tokenizer", tok, "--prompt", "A", "--raw", "--quiet")
+    assert one_line(code, err, "tiktoken.model: no token for the single byte 0x41"), err
+
+
+@pytest.mark.parametrize("prompts,words", [
+    ({"prompts": {"a": 1}}, "field prompts = {'a': 1}: expected a non-empty list of {category, text} objects"),
+    ({"prompts": []}, "field prompts = []: expected a non-empty list"),
+    ({"set": []}, "field prompts is missing"),
+    ({"prompts": ["text"]}, "field prompts[0] must be a JSON object, got a string"),
+    ({"prompts": [{"category": "code", "text": 5}]}, "field prompts[0].text = 5: expected a string"),
+    ({"prompts": [{"text": "x"}]}, "field prompts[0].category is missing"),
+    ({"prompts": [{"category": ["code"], "text": "x"}]}, "field prompts[0].category = ['code']: expected a string"),
+])
+def test_bench_prompt_set_of_the_wrong_shape(tmp_path, capsys, prompts, words):
+    """A TypeError or KeyError traceback, after loading, used to be the answer."""
+    f = tmp_path / "set.json"
+    f.write_text(json.dumps(prompts))
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["e2e", "--prompts", str(f)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--prompts {f}: {words}" in err and "Traceback" not in err, err
+
+
+def test_bench_plot_path_checked_first(tmp_path, capsys):
+    """bench.py e2e --out X.json checked X.json up front but not X.png: a traceback after the whole run."""
+    (tmp_path / "r.png").mkdir()
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["e2e", "--out", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--out {tmp_path / 'r.json'}: its plot {tmp_path / 'r.png'} is a directory" in err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--steps", "-1"], "--steps must be >= 1, got -1"),
+    (["--draft-steps", "0"], "--draft-steps must be >= 1"),
+    (["--max-files", "-3"], "--max-files must be >= 0 (0: all), got -3"),
+    (["--device", "tpu"], "--device 'tpu': expected cpu, cuda or cuda:N"),
+    (["--out", "{tmp}/file"], "--out {tmp}/file: not a directory"),
+    (["--out", "/dev/full"], "--out /dev/full: not a directory"),
+    (["--out", "/proc/x/y"], "--out /proc/x/y: cannot make the directory (no such file or directory)"),
+    (["--target-from", "{tmp}/nowhere"], "--target-from {tmp}/nowhere: no such directory"),
+    (["--target-from", "{tmp}"], "--target-from {tmp}: no config.json"),
+])
+def test_train_flags_checked_first(tmp_path, capsys, monkeypatch, argv, words):
+    """Every bad train.py flag used to be a traceback, some after the corpus was read."""
+    import train as TR
+    (tmp_path / "file").write_text("x")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "out")]
+    monkeypatch.setattr(TR, "load_corpus", lambda *a: pytest.fail("the corpus was read before the checks"))
+    code = cli.exit_code(lambda: TR.main(TR.parse_args(out + argv)))
+    err = capsys.readouterr().err
+    assert one_line(code, err, words.format(tmp=tmp_path)), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_in_train_and_bench(tmp_path, capsys, monkeypatch):
+    """train.py and bench.py end as generate.py does: Ctrl-C is one line and exit 130, a file that cannot be
+    written one line and exit 2 (cli.exit_code)."""
+    import errno
+    import train as TR
+
+    def interrupted(*a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(TR, "load_corpus", interrupted)
+    code = cli.exit_code(lambda: TR.main(TR.parse_args(["--out", str(tmp_path / "out")])))
+    assert one_line(code, capsys.readouterr().err, "interrupted (Ctrl-C)", rc=130)
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "r.json")
+    monkeypatch.setattr(bench, "main", full)
+    code = cli.exit_code(bench.main)
+    assert one_line(code, capsys.readouterr().err, "error: [Errno 28] No space left on device: 'r.json'")
+
+
+def test_train_flag_error_from_the_shell(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", "--out", str(tmp_path), "--steps", "0"], cwd=ROOT, env=CPU_ENV,
+                       capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
+    assert one_line(r.returncode, r.stderr, "error: --steps must be >= 1, got 0"), r.stderr
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--trace", ""], "--trace '': expected a file name"),
+    (["--prompt-ids", "1_0"], "--prompt-ids '1_0': expected comma-separated token ids"),
+    (["--prompt-ids", "+1"], "--prompt-ids '+1'"),
+])
+def test_flags_read_as_written(ckpt, capsys, monkeypatch, argv, words):
+    """--trace '' was accepted and wrote nothing; --prompt-ids 1_0 was read as token 10 (int() takes '_'),
+    which tiktoken.model's ranks refuse."""
+    no_loading(monkeypatch)
+    argv = ["--prompt-ids", "1", *argv] if "--prompt-ids" not in argv else argv
+    code, _, err = run_cli(capsys, "--ckpt", ckpt, "--draft", ckpt / "draft", *argv, "--quiet")
+    assert one_line(code, err, words), err
+
+
+def test_values_that_int_refuses_name_file_and_field(ckpt, tmp_path, capsys):
+    """A tokenizer_config.json key "²" (str.isdigit takes it, int() does not), a 5000-digit integer in config.json
+    (past Python's int-from-string limit), an eos_token_id past the vocabulary: each names its file and field."""
+    tok = tokenizer_dir(ckpt, tmp_path)
+    edit_json(tok / "tokenizer_config.json", lambda c: c["added_tokens_decoder"].update({"²": {"content": "x"}}))
+    with pytest.raises(ValueError, match=re.escape(f"{tok / 'tokenizer_config.json'}: field added_tokens_decoder['²']")):
+        Tokenizer.from_dir(tok)
+    edit_json(tok / "tokenizer_config.json", lambda c: c["added_tokens_decoder"].update(
+        {"9" * 5000: c["added_tokens_decoder"].pop("²")}))
+    with pytest.raises(ValueError, match=re.escape(f"{tok / 'tokenizer_config.json'}: field added_tokens_decoder['999")):
+        Tokenizer.from_dir(tok)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(tiny.text_config()).replace('"hidden_size": 64', '"hidden_size": ' + "9" * 5000))
+    with pytest.raises(ValueError, match=re.escape(f"{cfg}: field hidden_size = a 5000-digit integer: expected an "
+                                                   f"integer >= 1")):
+        M.ModelArgs.from_config(str(tmp_path))
+    (tmp_path / "second").mkdir()
+    tok = tokenizer_dir(ckpt, tmp_path / "second")
+    (tok / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 10**6]}))
+    code, _, err = run_cli(capsys, "--ckpt", ckpt, "--tokenizer", tok, "--prompt", "x", "--raw", "--quiet")
+    assert one_line(code, err, f"{tok / 'generation_config.json'}: field eos_token_id", "1000000"), err
+
+
+# ----------------------------------------------------------------------------------------------
 # docs/FAULTS.md: every row names a test of this file that exists
 
 def test_faults_table_names_real_tests():

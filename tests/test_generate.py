@@ -95,7 +95,8 @@ def test_chain_mode_and_stops(target):
     stats = G.Stats()
     chain = G.generate(target, prompt, 30, drafter=StubDrafter("perfect", 96, full), chain=True,
                        max_seq_len=96, stats=stats)
-    assert chain == ar and stats.mean_accept > 2
+    assert len(ar) == 30 and chain == ar and stats.mean_accept > 2
+    assert max(stats.accept_lens) == 5        # a perfect chain commits its whole block: 4 drafted + the bonus
     stop = ar[7]
     first = ar.index(stop)
     for budget in (0, 4, 16):
@@ -104,6 +105,7 @@ def test_chain_mode_and_stops(target):
         assert got == ar[:first + 1]
 
 
+@pytest.mark.quick
 def test_cache_limit_never_overflows(target):
     prompt = list(range(10))
     stats = G.Stats()

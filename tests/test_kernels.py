@@ -383,8 +383,8 @@ def test_int4_experts_kernel(T_, E, K, D, I, tiles, dtype, monkeypatch):
     if "small" in tiles:
         small = dict(BLOCK_N=16, BLOCK_W=4, num_warps=4, num_stages=2)
         monkeypatch.setattr(kernels, "MOE_GEMV_BLOCKS", dict(gate_up=small, down=small))
-        small = dict(BLOCK_N=16, BLOCK_W=16, num_warps=4, num_stages=2)
-        monkeypatch.setattr(kernels, "MOE_MMA_BLOCKS", dict(gate_up=small, down=small))
+        monkeypatch.setattr(kernels, "MOE_MMA_BLOCKS", {k: dict(c, BLOCK_N=16, BLOCK_W=16)
+                                                        for k, c in kernels.MOE_MMA_BLOCKS.items()})
     if "mma" in tiles:
         monkeypatch.setattr(kernels, "MOE_MMA_MIN_PAIRS", 0)
     args = make_moe(T_, E, K, D, I, dtype, KERNEL_DEVICE, seed=T_)

@@ -1,5 +1,6 @@
 """verify.py on a hand-built tree: inputs (ids, positions, mask), the acceptance walk and the KV commit
 against hand-written answers. Run: python -m pytest -q tests/test_verify.py"""
+import pytest
 import torch
 
 import verify
@@ -85,6 +86,7 @@ def test_accept_batched_rows_independent():
     assert acc.tolist() == [[0, 1, 3, 4, 4], [0, 2, 2, 2, 2]]
 
 
+@pytest.mark.quick
 def test_sample_top_k_top_p():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(4000, 1)
     g = torch.Generator().manual_seed(0)
