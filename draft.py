@@ -348,8 +348,7 @@ class DFlashDrafter(nn.Module):
     def draft_logits(self, target: M.Transformer, last_token: torch.Tensor, ctx_feats: torch.Tensor,
                      ctx_len: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
         """last_token [B] (the root) -> fp32 logits [B, bs-1, V] of the tokens after it (the rest:
-        cached_forward's). Under TP: the target's embedding all-reduce, cached_forward's, lm_head's
-        all-gather."""
+        cached_forward's). Under TP: embedding all-reduce, cached_forward's, lm_head all-gather."""
         a, B = self.args, last_token.shape[0]
         block = torch.full((B, a.block_size), a.mask_token_id, device=last_token.device)  # [B, bs]
         block[:, 0] = last_token            # the real token first: MASK there collapses acceptance
