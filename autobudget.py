@@ -41,12 +41,13 @@ class AutoStep:
         step's, the median of 7 pairs (load on the machine slows both of a pair). Under TP every
         rank takes rank 0's ratio, so all choose alike."""
         self.step, bs = step, step.drafter.block_size
-        batch, dev = step.state.bonus.shape[0], step.state.bonus.device
+        batch, dev = step.state.root.shape[0], step.state.root.device
         # [B, bs] catch_up's window: each row's last block_size committed tokens
         self.recent = torch.zeros(batch, bs, dtype=torch.long, device=dev)
-        for fn in (step.spec, step.ar, self.catch_up):
+        for fn in (step.tree_step, step.token_step, self.catch_up):
             self.rehearse(fn)
-        ratio = [sorted(self.rehearse(step.spec) / self.rehearse(step.ar) for _ in range(7))[3]]
+        pairs = (self.rehearse(step.tree_step) / self.rehearse(step.token_step) for _ in range(7))
+        ratio = [sorted(pairs)[3]]
         if M.world_size > 1:
             torch.distributed.broadcast_object_list(ratio, src=0)
         self.control = AutoBudget(ratio[0], bs)
@@ -56,25 +57,25 @@ class AutoStep:
         tree does not fit); before a tree that follows one-token steps, catch_up. prompts, outs:
         each row's tokens so far. Returns (a tree step?, each row's committed tokens)."""
         s, c = self.step, self.control
-        tree_step = fits and c.tree()
-        if tree_step and c.since_tree:
+        is_tree = fits and c.tree()
+        if is_tree and c.since_tree:
             self.catch_up_on([p + o for p, o in zip(prompts, outs)], c.since_tree)
-        rows = s.run(s.spec if tree_step else s.ar, hook)
+        rows = s.run(s.tree_step if is_tree else s.token_step, hook)
         live = [len(new) for new in rows if new]          # finished rows commit nothing
-        c.observe(tree_step, sum(live) / len(live))
-        return tree_step, rows
+        c.observe(is_tree, sum(live) / len(live))
+        return is_tree, rows
 
     def catch_up(self, hook=None) -> None:
-        """A step function, compiled or captured like spec and ar: the drafter gets the last
-        new_ctx_len (<= block_size) tokens it missed. One target forward over the last block_size
-        committed tokens (`recent`; both set by catch_up_on) at their own positions gives their
-        hidden states, and rewrites their KV with the values it holds; the missed tokens' rows go
-        to the front of ctx_feats. Anything missed before those stays out of the drafter's context:
-        its rows run on from the older ones."""
+        """A step function, compiled or captured like tree_step and token_step: the drafter gets the
+        last new_ctx_len (<= block_size) tokens it missed. One target forward over the last
+        block_size committed tokens (`recent`; both set by catch_up_on) at their own positions gives
+        their hidden states, and rewrites their KV with the values it holds; the missed tokens' rows
+        go to the front of ctx_feats. Anything missed before those stays out of the drafter's
+        context: its rows run on from the older ones."""
         step, s, bs = self.step, self.step.state, self.step.drafter.block_size
         p0 = (s.start - bs).clamp(min=0)          # [B] the window's first position (short rows: 0)
         hidden = step.model(self.recent, start_pos=p0, hidden_layers=step.taps, last_only=True,
-                            debug=step.debug).hidden                          # [B, bs, taps*D]
+                            debug=step.debug).taps                            # [B, bs, taps*D]
         s.new_ctx_len.mul_(s.active)              # finished rows take nothing
         rows = (s.start - p0 - s.new_ctx_len)[:, None] + torch.arange(bs, device=p0.device)
         index = rows.clamp(max=bs - 1)[:, :, None].expand_as(hidden)            # [B, bs, taps*D]

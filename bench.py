@@ -84,12 +84,13 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint as C
-import draft as D
+import draft as dflash
 import files
 import kernels
 import model as M
-import tree as T
-import verify as V
+import runner
+import tree as ddtree
+import verify
 from checkpoint import k26_draft_config, k26_text_config
 from tree import ancestor_mask
 
@@ -418,7 +419,7 @@ def oracle_tree(target, ctx: list[int], budget: int, depth: int, temperature: fl
     def expand(i: int) -> None:   # node i's logits, its next tokens by probability (ties: lower id first)
         x = target(torch.tensor([ctx + path[i]], device=dev), last_only=True).logits[0, -1]        # [V] fp32
         logits.append(x)
-        ranked.append(V.sampling_probs(x, temperature).sort(descending=True, stable=True))          # [V] each
+        ranked.append(verify.sampling_probs(x, temperature).sort(descending=True, stable=True))          # [V] each
     expand(0)
     heap = [(-ranked[0][0][0].item(), 0, 0, 0)]   # (-path probability, tie-break, parent node, rank of the token)
     while heap and len(token) <= budget:
@@ -444,14 +445,14 @@ def oracle_decode(target, prompt: list[int], max_new_tokens: int, budget: int, d
     as generate's prefill does; every step counts all it commits, as Stats.accept_lens does (the last one may run
     past max_new_tokens), and no step is cut: the run stops before a step could pass max_seq_len."""
     g = torch.Generator(target.embed_tokens.weight.device).manual_seed(seed)
-    first = V.sample(target(torch.tensor([prompt], device=g.device), last_only=True).logits[0, -1], temperature,
+    first = verify.sample(target(torch.tensor([prompt], device=g.device), last_only=True).logits[0, -1], temperature,
                      generator=g)
     ctx, n, steps = prompt + [int(first)], 1, []
     while n < max_new_tokens and len(ctx) + depth + 1 <= max_seq_len:
         parent, token, prob, logits = oracle_tree(target, ctx, budget, depth, temperature)
         node, got = 0, []
         while True:   # verification's walk: the target's token after the node; on to the child that carries it
-            got.append(int(V.sample(logits[node], temperature, generator=g)))
+            got.append(int(verify.sample(logits[node], temperature, generator=g)))
             node = next((i for i in range(1, len(token)) if parent[i] == node and token[i] == got[-1]), None)
             if node is None:
                 break
@@ -611,7 +612,7 @@ def step_collectives(target, drafter, budget: int, sampling: tuple, counts: coll
     step = G.Step(target, drafter, batch, budget, False, sampling)
     step.prefill([[0, 1]] * batch)
     counts.clear()
-    step.run(step.spec if budget else step.ar)
+    step.run(step.tree_step if budget else step.token_step)
     return dict(counts)
 
 
@@ -649,7 +650,6 @@ def bench_one_rank(a, device, dtype) -> dict:
                f"tokens (random ids, seed {a.seed}); {a.max_new_tokens} new tokens per run; warm-up: "
                + ("none" if a.warmup == 0 else f"{a.max_new_tokens if a.warmup < 0 else a.warmup} tokens per run "
                   "after the prompt's first 16"))
-        G.Step.cache.clear()
         target.setup_cache(max(batches), 2 + 2 * widest + 8)
         if drafter is not None:
             drafter.setup_cache(max(batches), 2 + 2 * widest + 8)
@@ -661,22 +661,23 @@ def bench_one_rank(a, device, dtype) -> dict:
         for ctx, B in ((ctx, B) for ctx in a.ctx for B in batches):
             prompts = [synthetic_prompt(ctx, target.args.vocab_size, a.seed + i) for i in range(B)]
             max_seq_len = ctx + a.max_new_tokens + widest + 8
-            G.Step.cache.clear()                  # this ctx's caches at their own size, as a real run has them
+            kept = runner.Steps()                 # this ctx's caches at their own size, as a real run has them
             target.setup_cache(B, max_seq_len + (widest if B > 1 else 0))
             if drafter is not None:
                 drafter.setup_cache(B, max_seq_len)
             for temp in a.temperature:
                 for b in steps:
                     kw = dict(drafter=drafter if b else None, budget=b, temperature=temp, max_seq_len=max_seq_len,
-                              mode=a.step_mode)
+                              mode=a.step_mode, steps=kept)
                     if a.warmup != 0:     # short prompts: the step's shapes (and graphs) do not depend on them
                         G.generate_batch(target, [p[:16] for p in prompts],
                                          a.max_new_tokens if a.warmup < 0 else a.warmup, **kw)
                     st = G.Stats()
                     G.generate_batch(target, prompts, a.max_new_tokens, stats=st, **kw)
                     n, c = len(st.step_s), per_step[temp, b, B]
-                    step = G.Step.get(target, kw["drafter"], B, max_seq_len, b, False, (temp, 0, 1.0), a.step_mode)
-                    top = (kernel_times(lambda: step.launch(step.spec if b else step.ar), device, top=6)
+                    step = G.get_step(target, kw["drafter"], B, max_seq_len, b, False, (temp, 0, 1.0), a.step_mode,
+                                      steps=kept)
+                    top = (kernel_times(lambda: step.launch(step.tree_step if b else step.token_step), device, top=6)
                            if a.batch else {})       # every row has finished: a step now commits nothing
                     rows.append({"ctx": ctx, "batch": B, "temperature": temp, "mode": "ddtree" if b else "ar",
                                  "budget": b or None, "steps": n, "decode_s": st.decode_s,
@@ -686,7 +687,6 @@ def bench_one_rank(a, device, dtype) -> dict:
                                  "collectives": sum(v for k, v in c.items() if not k.endswith("bytes")),
                                  "collective_bytes": sum(v for k, v in c.items() if k.endswith("bytes")),
                                  "collective_calls": c, "top_kernels": top.get("top_kernels")})
-        G.Step.cache.clear()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     proj = project_one_rank(rows, a.accept, a.allreduce_us, a.allreduce_gbps, tp)
     print_one_rank(tp, rows, proj, a.accept, a.allreduce_us, a.allreduce_gbps, weights, peak,
@@ -694,7 +694,8 @@ def bench_one_rank(a, device, dtype) -> dict:
     return {"one_rank_of": tp, "rank": 0, "collectives_run": False, "statement": COLLECTIVES_NOT_RUN,
             "target": ckpt, "draft": draft_dir, "dtype": str(dtype).replace("torch.", ""),
             "step_mode": a.step_mode, "max_new_tokens": a.max_new_tokens, "ctx": a.ctx, "batch": batches,
-            "accept": a.accept, "allreduce_us": a.allreduce_us, "allreduce_gbps": a.allreduce_gbps, "weights_bytes": weights, "cuda_max_allocated_bytes": peak,
+            "accept": a.accept, "allreduce_us": a.allreduce_us, "allreduce_gbps": a.allreduce_gbps,
+            "weights_bytes": weights, "cuda_max_allocated_bytes": peak,
             "rows": rows, "projection": proj}
 
 
@@ -1193,12 +1194,12 @@ def bench_draft(a, device, dtype) -> dict:
     drafter: replicated (every rank runs all of it) vs tensor-parallel per-rank shapes at a.tp plus its
     2 * layers + 1 all-reduces at --allreduce-us each."""
     cfg = k26_draft_config(_scale(a, device))
-    args = D.DraftArgs.from_config(cfg)
+    args = dflash.DraftArgs.from_config(cfg)
     bw = copy_bandwidth(device, copy_size(a, device))
     rows = []
     for tp in sorted({1, a.tp}):
         with per_rank_build(tp, device, dtype):
-            drafter = D.DFlashDrafter(args)
+            drafter = dflash.DFlashDrafter(args)
             C.randomize_(drafter, a.seed, prefix="draft.")
         nbytes = param_bytes(drafter)
         for ctx in a.ctx:
@@ -1207,7 +1208,7 @@ def bench_draft(a, device, dtype) -> dict:
             feats = torch.randn(1, args.block_size, args.fc_in, device=device, dtype=dtype)
             ctx_len = torch.tensor([ctx], device=device)
             n_valid = torch.tensor([args.block_size], device=device)        # no padding rows
-            step = lambda: drafter(block, feats, ctx_len, n_valid)
+            step = lambda: drafter.cached_forward(block, feats, ctx_len, n_valid)
             t = median_time(step, device, graph=a.graph and device.type == "cuda")
             comm = (2 * args.num_hidden_layers + 1) * a.allreduce_us[0] if tp > 1 else 0.0
             rows.append({"tp": tp, "ctx": ctx, "weights_MB": nbytes / 1e6, "us": t * 1e6, "comm_us": comm,
@@ -1401,9 +1402,10 @@ def bench_peer(a, device, dtype) -> dict:
 # tree: the DDTree build of one step
 
 
-def _tree_by_ops(logits, roots, budget: int) -> T.Tree:
+def _tree_by_ops(logits, roots, budget: int) -> ddtree.Tree:
     """tree.build_tree_batched with the search in tensor ops (ddtree_search's reference), whatever the device."""
-    return T.Tree(*T.ddtree_search.ref(*T.rank_tokens(logits, min(budget, logits.shape[-1])), roots, budget))
+    lp, tok = ddtree.rank_tokens(logits, min(budget, logits.shape[-1]))
+    return ddtree.Tree(*ddtree.ddtree_search.ref(lp, tok, roots, budget))
 
 
 @torch.no_grad()
@@ -1423,12 +1425,12 @@ def bench_tree(a, device, dtype) -> dict:
         roots = torch.zeros(1, dtype=torch.long, device=device)
         r = {"budget": B, "depth": L, "vocab": V,
              "ops_us": median_time(lambda: _tree_by_ops(logits, roots, B), device, graph) * 1e6,
-             "rank_us": median_time(lambda: T.rank_tokens(logits, min(B, V)), device, graph) * 1e6,
+             "rank_us": median_time(lambda: ddtree.rank_tokens(logits, min(B, V)), device, graph) * 1e6,
              "kernel_us": None, "same": None}
         if use_kernel and B <= kernels.TREE_MAX_BUDGET:
-            r["kernel_us"] = median_time(lambda: T.build_tree_batched(logits, roots, B), device, graph) * 1e6
-            got, want = T.build_tree_batched(logits, roots, B), _tree_by_ops(logits, roots, B)
-            pairs = [(getattr(got, f.name), getattr(want, f.name)) for f in dataclasses.fields(T.Tree)]
+            r["kernel_us"] = median_time(lambda: ddtree.build_tree_batched(logits, roots, B), device, graph) * 1e6
+            got, want = ddtree.build_tree_batched(logits, roots, B), _tree_by_ops(logits, roots, B)
+            pairs = [(getattr(got, f.name), getattr(want, f.name)) for f in dataclasses.fields(ddtree.Tree)]
             r["same"] = all(torch.equal(x, y) if x is not None else y is None for x, y in pairs)
         rows.append(r)
     print0(table(["budget", "tensor ops us", "search kernel us", "ranking us", "same tree"],
@@ -1465,7 +1467,7 @@ def graph_node_floor(device, sizes=(1, 10, 100, 200)) -> list[dict]:
     rows = []
     x = torch.zeros(1, device=device)
     for n in sizes:
-        g = G.capture_graph(lambda: [x.add_(1) for _ in range(n)])
+        g = runner.capture_graph(lambda: [x.add_(1) for _ in range(n)])
         replay = _event_median_us(g.replay, lambda: None, device)
         k = kernel_times(g.replay, device)
         rows.append({"nodes": n, "replay_us": replay, "kernels_us": k["kernels_us"],
@@ -1492,16 +1494,16 @@ def bench_step(a, device, dtype) -> dict:
         for budget in a.step_budgets:
             if budget and drafter is None:
                 continue
-            G.Step.cache.clear()                  # one step: this mode and budget
+            steps = runner.Steps()                # one step: this mode and budget
             G.generate(target, ids, 16, drafter=drafter if budget else None, budget=budget, mode=mode,
-                       max_seq_len=len(ids) + 16 + 2 * (budget + 1) + 64)   # compiles / captures the step
-            (runner,) = G.Step.cache.values()
-            restore = runner.state.snapshot()
-            step = lambda: runner.launch(runner.spec if budget else runner.ar)   # plain, compiled or captured
+                       max_seq_len=len(ids) + 16 + 2 * (budget + 1) + 64, steps=steps)   # compiles / captures it
+            (one,) = steps.values()
+            restore = one.state.snapshot()
+            step = lambda: one.launch(one.tree_step if budget else one.token_step)   # plain, compiled or captured
             restore(), step()
-            first = runner.state.out.clone()      # [1, N+1]: accept length, committed tokens
+            first = one.state.out.clone()         # [1, N+1]: accept length, committed tokens
             us = _event_median_us(step, restore, device)
-            same = torch.equal(runner.state.out, first)  # every timed call was the same step
+            same = torch.equal(one.state.out, first)     # every timed call was the same step
             k, k0 = kernel_times(lambda: (restore(), step()), device), kernel_times(restore, device)
             kern = None if k["kernels_us"] is None else k["kernels_us"] - k0["kernels_us"]
             rows.append({"mode": mode, "budget": budget, "us": us, "kernels_us": kern, "same_step": same,
@@ -1526,7 +1528,7 @@ def bench_step(a, device, dtype) -> dict:
 def _graph_us(fn, device, n: int = 25) -> float:
     """Median µs of replaying fn captured in a CUDA graph, one replay at a time."""
     import generate as G
-    return _event_median_us(G.capture_graph(fn).replay, lambda: None, device, n)
+    return _event_median_us(runner.capture_graph(fn).replay, lambda: None, device, n)
 
 
 def _cold_us(fn, device) -> float:
@@ -1538,7 +1540,7 @@ def _cold_us(fn, device) -> float:
 
 
 def mla_attention_work(T: int, H: int, keys: int, R: int, P: int, block_rows: int = 64) -> dict:
-    """What one mla_tree_attention call over `keys` cache slots must read and multiply: the cache bytes (bf16),
+    """What one mla_attention call over `keys` cache slots must read and multiply: the cache bytes (bf16),
     the MMA flops of the scores (R + P per key) and of P @ V (R per key) for the T*H query rows, and the flops as
     the kernel runs them (whole blocks of `block_rows` query rows)."""
     rows, per_row = T * H, 2 * keys * (2 * R + P)
@@ -1666,8 +1668,8 @@ def bench_kernels(a, device, dtype) -> dict:
                         return f" {work['flops_executed'] / us / 1e6:>8.0f} {floor:>8.1f} {100 * floor / us:>6.1f}%"
                     args = (q_lat, q_pe, cache, torch.tensor([prefix], device=device), mask, scale)
                     return args, work["bytes"], columns
-                rows.append(_kernel_row(f"{H:>3} {T:>3} {prefix:>7}", case, kernels.mla_tree_attention,
-                                        M.mla_tree_attention.ref, tol, bw, device))
+                rows.append(_kernel_row(f"{H:>3} {T:>3} {prefix:>7}", case, kernels.mla_attention,
+                                        M.mla_attention.ref, tol, bw, device))
     cache = torch.randn(1, 32768 + 17, R + P, device=device, dtype=dtype)
     us = plain_read_us(cache)
     print0(f"a plain read of a 32k-slot cache ({cache.numel() * 2 / 1e6:.1f} MB): {us:.1f} us cold, "
@@ -1814,7 +1816,7 @@ def kernel_sweep(device, dtype) -> dict:
         args = (torch.randn(1, T, H, R, device=device, dtype=dtype), torch.randn(1, T, H, P, device=device, dtype=dtype),
                 torch.randn(1, prefix + T, R + P, device=device, dtype=dtype), torch.tensor([prefix], device=device),
                 torch.ones(1, T, T, dtype=torch.bool, device=device).tril(), 0.14468)
-        attn[(H, T, prefix)] = (lambda a: lambda: kernels.mla_tree_attention(*a))(args)
+        attn[(H, T, prefix)] = (lambda a: lambda: kernels.mla_attention(*a))(args)
     print0(f"MLA attention, us at (H, T, prefix) = {list(attn)}; defaults {kernels.ATTN_BLOCKS} "
            f"{kernels.ATTN_SPLITS} {kernels.ATTN_WIDE}")
     grid = [dict(BLOCK_Q=q, BLOCK_S=bs, num_warps=nw, num_stages=st)
@@ -2026,8 +2028,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag, ok, want, got in [
             ("--batch", all(b >= 1 for b in a.batch), "batch sizes >= 1", a.batch),
             ("--n-prompts", a.n_prompts >= 0, ">= 0 (0: all)", a.n_prompts),
-            ("--temperature", a.temperature and all(map(V.temperature_ok, a.temperature)),
-             f"{V.TEMPERATURE_RULE} (each value)", a.temperature),
+            ("--temperature", a.temperature and all(map(verify.temperature_ok, a.temperature)),
+             f"{verify.TEMPERATURE_RULE} (each value)", a.temperature),
             ("--budgets", bool(a.budgets), "at least one budget", a.budgets),
             ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1", a.max_new_tokens),
             ("--max-seq-len", a.max_seq_len >= 0, ">= 0 (0: as long as needed)", a.max_seq_len),
@@ -2100,7 +2102,7 @@ def check_one_rank_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> No
     try:
         M.check_tp_divisibility(C.model_args(ckpt), n)
         if draft is not None:
-            D.check_tp_divisibility(D.DraftArgs.from_config(draft), n)
+            dflash.check_tp_divisibility(dflash.DraftArgs.from_config(draft), n)
     except ValueError as e:
         p.error(f"--one-rank-of {n}: {e}")
 

@@ -26,8 +26,8 @@ import files
 import generate as G
 import kernels
 import model as M
-import tree as T
-import verify as V
+import tree as ddtree
+import verify
 
 MAX_BUDGET = 1024      # verify width B+1; above 64 rows the tree attention runs its PyTorch reference
 
@@ -45,7 +45,7 @@ def check_args(a: argparse.Namespace) -> None:
                    f"in [0, {MAX_BUDGET}] or auto", a.budget),
                   ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1", a.max_new_tokens),
                   ("--max-seq-len", a.max_seq_len >= 2, ">= 2", a.max_seq_len),
-                  ("--temperature", V.temperature_ok(a.temperature), V.TEMPERATURE_RULE,
+                  ("--temperature", verify.temperature_ok(a.temperature), verify.TEMPERATURE_RULE,
                    a.temperature),
                   ("--top-k", a.top_k >= 0, ">= 0 (0: off)", a.top_k),
                   ("--top-p", 0 < a.top_p <= 1, "in (0, 1]", a.top_p),
@@ -195,9 +195,9 @@ def check_output_path(flag: str, path: str, inputs=()) -> None:
 
 def check_cache_memory(a, margs: M.ModelArgs, dargs, device: torch.device, dtype: torch.dtype, batch: int) -> None:
     """--max-seq-len sizes the KV caches up front: refuse one that cannot fit, before the weights load."""
-    import draft as D
+    import draft as dflash
     target = math.prod(M.Transformer.cache_shape(margs, batch, a.max_seq_len)) * dtype.itemsize
-    drafter = math.prod(D.DFlashDrafter.cache_shape(dargs, batch, a.max_seq_len, dargs.num_key_value_heads
+    drafter = math.prod(dflash.DFlashDrafter.cache_shape(dargs, batch, a.max_seq_len, dargs.num_key_value_heads
                                                     // M.world_size)) * dtype.itemsize if dargs else 0
     need = target + drafter
     if device.type == "cuda":
@@ -278,8 +278,8 @@ def _main(a: argparse.Namespace) -> int:
               top_p=a.top_p, seed=a.seed, max_seq_len=a.max_seq_len, stop_ids=tokenizer.stop_ids if not a.raw else (),
               mode="eager" if a.eager or not modes else "+".join(modes), debug=a.debug)   # graph, compile, both
     if a.show_tree:      # each step's tree, then the tokens it committed, never mixed with streamed text
-        M.print0(T.LEGEND)
-        kw["on_step"] = lambda b, v, new: M.print0("\n" + T.format_tree(
+        M.print0(ddtree.LEGEND)
+        kw["on_step"] = lambda b, v, new: M.print0("\n" + ddtree.format_tree(
             v.tree[b], lambda t: tokenizer.decode([t]), v.accepted[b, :len(new)], bonus=new[-1]))
     trace = Trace(tokenizer.decode, vars(a), then=kw.get("on_step")) if a.trace and M.rank == 0 else None
     if trace:            # each step's View, read after the step; the page is rewritten after each run (chat turn)
@@ -328,16 +328,16 @@ def check_models(a, device: torch.device, dtype: torch.dtype) -> tuple:
     """The target's and the drafter's configs, each against its tensors (names and shapes, no data read), against
     each other and this engine, and the memory their KV caches need: before any weight loads.
     Returns (ModelArgs, DraftArgs or None when nothing is drafted)."""
-    import draft as D
+    import draft as dflash
     margs = M.ModelArgs.from_config(a.ckpt)
     if not C.is_random(a.ckpt):
         C.check_checkpoint(margs, a.ckpt)
-    dargs = D.DraftArgs.from_config(a.draft) if a.draft and a.budget != 0 else None
+    dargs = dflash.DraftArgs.from_config(a.draft) if a.draft and a.budget != 0 else None
     if dargs is not None:
-        D.check_compatible(dargs, margs)
+        dflash.check_compatible(dargs, margs)
         if not C.is_random(a.draft):
-            D.check_layer_count(dargs, a.draft)
-        D.check_tp_divisibility(dargs, M.world_size)
+            dflash.check_layer_count(dargs, a.draft)
+        dflash.check_tp_divisibility(dargs, M.world_size)
         if dargs.block_size > MAX_BUDGET + 1:
             raise ValueError(f"drafter {a.draft}: block_size = {dargs.block_size}, more than this engine drafts "
                              f"and verifies in one step ({MAX_BUDGET + 1})")
@@ -486,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"before each step a tree of {G.AUTO_BUDGET} or one token, whichever commits faster here)")
     p.add_argument("--chain", action="store_true", help="DFlash chain instead of a tree")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy); one below "
-                   f"{V.MIN_TEMPERATURE:g} is refused, not taken as greedy (logits / T could overflow)")
+                   f"{verify.MIN_TEMPERATURE:g} is refused, not taken as greedy (logits / T could overflow)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens holding this mass")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")

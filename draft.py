@@ -13,7 +13,7 @@ block at ctx_len + n_new + i.
 
 The plain forward (DFlashDrafter.plain_forward) says exactly that: each layer concatenates the
 context's K/V and the block's and runs one masked attention. It is the reference; train.py trains
-through it. The decode step runs the cached forward (DFlashDrafter.forward), equal to it: the
+through it. The decode step runs the cached forward (DFlashDrafter.cached_forward), equal to it: the
 per-layer context K/V cache filled incrementally (each round appends only the features of the tokens
 committed last round, at slots ctx_len..) equals recomputing it from all context features at once.
 The block's own K/V pass through the slots right after the context (one cache, one attention over
@@ -27,12 +27,12 @@ Tensor parallel (torchrun), like the target: each rank holds 1/world_size of the
 its intermediate rows and of fc's input columns, and only its own kv heads in the context cache.
 Replicating it would be simpler, but the Kimi drafter is ~3.5B params (6.5 GB bf16), which every
 draft step would then read in full on every GPU; split 8 ways a rank reads ~0.8 GB and pays 2
-all-reduces per layer + 1 (DFlashDrafter.forward).
+all-reduces per layer + 1 (DFlashDrafter.cached_forward).
 
-Reading order: DraftArgs; Attention, Layer (plain or cached); DFlashDrafter (plain_forward, forward,
-draft_logits); the cached forward's two ops with a fast path (qkv_norm_rope, block_attention: plain
-PyTorch here, one Triton launch each on a GPU, kernels.py); then the checkpoint I/O (config parsing,
-loader, writer, tiny config). The rotary embedding is model.py's.
+Reading order: DraftArgs; Attention, Layer (plain or cached); DFlashDrafter (plain_forward,
+cached_forward, draft_logits); the cached forward's two ops with a fast path (qkv_norm_rope,
+block_attention: plain PyTorch here, one Triton launch each on a GPU, kernels.py); then the
+checkpoint I/O (config parsing, loader, writer, tiny config). The rotary embedding is model.py's.
 """
 from __future__ import annotations
 
@@ -191,7 +191,8 @@ class Attention(nn.Module):
 
 
 class BlockCache(NamedTuple):
-    """What a cached forward's layer needs beyond its inputs (DFlashDrafter.forward builds it)."""
+    """What a cached forward's layer needs beyond its inputs (DFlashDrafter.cached_forward makes
+    it)."""
     kv: torch.Tensor        # this layer's cache [2 (K, V), Bmax, slots, n_kv, hd]
     slots: torch.Tensor     # [B, n + N]: each row's cache slot (= its rope position)
     prefix: torch.Tensor    # [B]: the context rows the block sees, its own slots right after them
@@ -244,8 +245,8 @@ class DFlashDrafter(nn.Module):
         Each layer projects K/V from the context rows and the block rows, concatenates them and runs
         one attention in which block row i sees the keys mask[b, i] ([B, N, n + N] bool; None: all
         of them, one block after the whole context) -> normalized hidden states [B, N, D].
-        The reference: forward (the cached step) equals it; train.py trains through it (many blocks
-        per sequence, each masked to its own)."""
+        The reference: cached_forward (the step's) equals it; train.py trains through it (many
+        blocks per sequence, each masked to its own)."""
         B, n = block_embeds.shape[0], ctx_feats.shape[1]
         dtype = self.fc.weight.dtype
         ctx_pos = torch.arange(n, device=positions.device).expand(B, n)                 # [B, n]
@@ -304,8 +305,8 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(f)
 
     @torch.no_grad()
-    def forward(self, block_embeds: torch.Tensor, ctx_feats: torch.Tensor, ctx_len: torch.Tensor,
-                n_valid: torch.Tensor) -> torch.Tensor:
+    def cached_forward(self, block_embeds: torch.Tensor, ctx_feats: torch.Tensor,
+                       ctx_len: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
         """The cached forward, fixed shapes: block_embeds [B, bs, D]; ctx_feats [B, n, n_taps*D]:
         row b's first n_valid[b] are the features of its tokens at positions ctx_len[b].. (committed
         since its last call), the rest (at most bs) padding -> normalized hidden states [B, bs, D]
@@ -346,15 +347,15 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def draft_logits(self, target: M.Transformer, last_token: torch.Tensor, ctx_feats: torch.Tensor,
                      ctx_len: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
-        """last_token [B] (the bonus) -> fp32 logits [B, bs-1, V] of the tokens after it (the rest:
-        forward's). Under TP: the target's embedding all-reduce, forward's, lm_head's all-gather."""
+        """last_token [B] (the root) -> fp32 logits [B, bs-1, V] of the tokens after it (the rest:
+        cached_forward's). Under TP: embedding all-reduce, cached_forward's, lm_head all-gather."""
         a, B = self.args, last_token.shape[0]
         block = torch.full((B, a.block_size), a.mask_token_id, device=last_token.device)  # [B, bs]
         block[:, 0] = last_token            # the real token first: MASK there collapses acceptance
         x = target.embed_tokens(block)                                    # [B, bs, D]
         if a.input_embedding_scale != 1.0:
             x = x * a.input_embedding_scale
-        h = self.forward(x, ctx_feats, ctx_len, n_valid)                  # [B, bs, D]
+        h = self.cached_forward(x, ctx_feats, ctx_len, n_valid)           # [B, bs, D]
         logits = target.head(h[:, 1:].to(target.lm_head.weight.dtype))   # [B, bs-1, V]
         if a.output_multiplier != 1.0:
             logits = logits * a.output_multiplier

@@ -10,12 +10,13 @@ Invariant: greedy DDTree output == greedy autoregressive output, token for token
 (tests/test_generate.py); at temperature T every committed token is a sample of the target's own
 distribution.
 
-In run order: State, the step's buffers; Step.spec, the step, written once (1 draft, 2 build tree,
-3 verify, 4 accept, 5 commit), and Step.ar, its one-token twin, with no host sync inside;
-Step.prefill; Step.run, which runs a step as it is, compiled (--compile) or as its CUDA graph
-(--cuda-graph), then reads what it committed; generate_batch, the loop: prefill, then steps, then
-stream (generate() is the loop for one prompt). --budget auto picks a tree or one token before each
-step, beside the loop: autobudget.py. The command line is cli.py; `python generate.py` runs it.
+In run order: State, the step's buffers; Step.tree_step, the step, written once (1 draft, 2 build
+tree, 3 verify, 4 accept, 5 commit), and Step.token_step, its one-token twin, with no host sync
+inside; Step.prefill; Step.run, which runs a step and reads what it committed (eager: the function
+itself; --compile / --cuda-graph: runner.py wraps that same function); generate_batch, the loop:
+prefill, then steps, then stream, with Rows, its per-row bookkeeping (generate() is the loop for
+one prompt). --budget auto picks a tree or one token before each step, beside the loop:
+autobudget.py. The command line is cli.py; `python generate.py` runs it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import os
 import signal
 import sys
 import time
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
@@ -34,10 +34,10 @@ if __name__ == "__main__":    # Ctrl-C while torch imports, before cli.main take
 import torch
 
 import autobudget as A
-import kernels
 import model as M
-import tree as T
-import verify as V
+import runner
+import tree as ddtree
+import verify
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUNDLED_TARGET = os.path.join(HERE, "checkpoints", "tiny-k2")
@@ -50,8 +50,8 @@ class State:
     """The step's inputs and outputs for a batch of rows (row b uses cache row b): device buffers
     that every step rewrites in place and never replaces, since a captured CUDA graph keeps reading
     the tensors it was captured with. Integers are int64."""
-    bonus: torch.Tensor        # [B] the last committed token: the next tree's root
-    start: torch.Tensor        # [B] committed cache length: the bonus goes to slot start
+    root: torch.Tensor         # [B] the last committed token (the last bonus): the next tree's root
+    start: torch.Tensor        # [B] committed cache length: the root goes to slot start
     ctx_len: torch.Tensor      # [B] context rows in the drafter's cache
     new_ctx_len: torch.Tensor  # [B] rows of ctx_feats the drafter caches next
     ctx_feats: torch.Tensor    # [B, block_size, taps*D] target hidden states on the last path
@@ -72,133 +72,90 @@ class State:
 
 
 class Step:
-    """One decoding step for a batch of rows: spec (a tree, or the chain) and ar (one token), on the
-    buffers of `state`; __init__, at the end, sets its settings (model, drafter, budget, width,
-    taps). A finished row is masked, not removed: it commits nothing, and its writes land past its
-    last token, where nothing reads them."""
-    cache: dict = {}       # one Step (and its graphs) per shape and setting, reused: see get
+    """One decoding step for a batch of rows: tree_step (a tree, or the chain) and token_step (one
+    token), on the buffers of `state`; __init__, at the end, sets its settings (model, drafter,
+    budget, width, taps). A finished row is masked, not removed: it commits nothing, and its writes
+    land past its last token, where nothing reads them."""
 
-    def spec(self, hook=None) -> View:
+    def tree_step(self, hook=None) -> View:
         """One DDTree (or chain) step for every row. hook(stage) runs after each stage: eager mode's
         clock; None when compiled or captured (nothing inside the step waits for the device)."""
         m, d, s, lap = self.model, self.drafter, self.state, hook or (lambda stage: None)
         # 1. draft: one drafter forward (first caching the context rows of last step's path)
-        draft_logits = d.draft_logits(m, s.bonus, s.ctx_feats, s.ctx_len,
+        draft_logits = d.draft_logits(m, s.root, s.ctx_feats, s.ctx_len,
                                       n_valid=s.new_ctx_len)                      # [B, L, V]
         s.ctx_len += s.new_ctx_len
         lap("draft")
         # 2. build tree: the `budget` most probable prefixes (or the chain of top-1 tokens)
-        tree = (T.chain_tree_batched(draft_logits, s.bonus, d.block_size - 1) if self.chain
-                else T.build_tree_batched(draft_logits, s.bonus, self.budget))  # fields [B, N]
+        tree = (ddtree.chain_tree_batched(draft_logits, s.root, d.block_size - 1) if self.chain
+                else ddtree.build_tree_batched(draft_logits, s.root, self.budget))  # fields [B, N]
         lap("tree")
         # 3. verify: one target forward, node i at position start + depth_i seeing its ancestors
-        ids, positions, mask = V.verify_inputs(tree, s.start)
-        logits, hidden = m(ids, start_pos=s.start, positions=positions, tree_mask=mask,
-                           hidden_layers=self.taps, debug=self.debug)  # [B, N, V], [B, N, taps*D]
+        ids, positions, mask = verify.verify_inputs(tree, s.start)
+        logits, taps = m(ids, start_pos=s.start, positions=positions, tree_mask=mask,
+                         hidden_layers=self.taps, debug=self.debug)    # [B, N, V], [B, N, taps*D]
         lap("verify")
         # 4. accept: the target's token after every node, then the longest path it agrees with
-        targets = V.sample(logits, *self.sampling)                                  # [B, N]
-        accepted, accept_len, bonus = V.accept(tree, targets)              # [B, N], [B], [B]
-        n = accept_len * s.active                 # [B] tokens committed (finished rows: 0)
+        targets = verify.sample(logits, *self.sampling)                             # [B, N]
+        accepted, path_len, bonus = verify.accept(tree, targets)           # [B, N], [B], [B]
+        n = path_len * s.active                   # [B] tokens committed (finished rows: 0)
         # 5. commit: the path's KV to slots start.. (finished rows: none), its hidden states to
         #    the drafter's next context rows, its tokens after the root and the bonus to `out`
-        V.commit_kv(m.kv_cache, s.start, accepted, n)
+        verify.commit_kv(m.kv_cache, s.start, accepted, n)
         k = min(self.width, d.block_size)
-        torch.gather(hidden, 1, accepted[:, :k, None].expand(-1, -1, hidden.shape[-1]),
+        torch.gather(taps, 1, accepted[:, :k, None].expand(-1, -1, taps.shape[-1]),
                      out=s.ctx_feats[:, :k])
         s.new_ctx_len.copy_(n)
-        self._commit(n, tree.tokens.gather(1, accepted), accept_len, bonus)
+        self._commit(n, tree.tokens.gather(1, accepted), path_len, bonus)
         lap("commit")
-        return View(tree, targets, accepted, accept_len, logits, draft_logits)
+        return View(tree, targets, accepted, path_len, logits, draft_logits)
 
-    def ar(self, hook=None) -> None:
+    def token_step(self, hook=None) -> None:
         """One autoregressive token per row: no drafter, budget 0, or a tree that no longer fits."""
         s = self.state
-        logits = self.model(s.bonus[:, None], start_pos=s.start, debug=self.debug).logits
-        tok = V.sample(logits[:, -1], *self.sampling)                                   # [B]
-        self._commit(s.active, s.bonus[:, None], self.one, tok)    # the path: the root alone
+        logits = self.model(s.root[:, None], start_pos=s.start, debug=self.debug).logits
+        tok = verify.sample(logits[:, -1], *self.sampling)                              # [B]
+        self._commit(s.active, s.root[:, None], self.one, tok)    # the path: the root alone
         if hook:
             hook("verify")
 
-    def _commit(self, n, path, accept_len, bonus) -> None:
-        """Row b commits n[b] tokens (0 once finished): path[b, 1:accept_len[b]] (after the root),
+    def _commit(self, n, path, path_len, bonus) -> None:
+        """Row b commits n[b] tokens (0 once finished): path[b, 1:path_len[b]] (after the root),
         then bonus[b], the next root. `out` gets the count, then them."""
         s = self.state
         s.out[:, 0] = n
         s.out[:, 1:path.shape[1]] = path[:, 1:]
-        s.out.scatter_(1, accept_len[:, None], bonus[:, None])
+        s.out.scatter_(1, path_len[:, None], bonus[:, None])
         s.start += n
-        torch.where(s.active, bonus, s.bonus, out=s.bonus)       # in place: one kernel, no copy
+        torch.where(s.active, bonus, s.root, out=s.root)         # in place: one kernel, no copy
 
     def prefill(self, prompts: list[list[int]], debug: bool = False) -> None:
         """Before the first step: each prompt's KV into its own cache row (no padding), its tapped
-        hidden states into the drafter's context, its first token into bonus."""
+        hidden states into the drafter's context, its first token into root."""
         s = self.state
         for b, p in enumerate(prompts):
-            fwd = self.model(torch.tensor([p], device=s.bonus.device), start_pos=0, last_only=True,
+            fwd = self.model(torch.tensor([p], device=s.root.device), start_pos=0, last_only=True,
                              hidden_layers=self.taps, cache_row=b, debug=debug)
             if self.drafter is not None:
-                self.drafter.append_context(fwd.hidden, 0, row=b)
-            s.bonus[b:b + 1] = V.sample(fwd.logits[:, -1], *self.sampling)
+                self.drafter.append_context(fwd.taps, 0, row=b)
+            s.root[b:b + 1] = verify.sample(fwd.logits[:, -1], *self.sampling)
             s.start[b] = len(p)
         s.ctx_len.copy_(s.start)
         s.new_ctx_len.zero_()
         s.active.fill_(True)
 
     def run(self, fn, hook=None) -> list[list[int]]:
-        """One step, fn = self.spec or self.ar: each row's committed tokens (finished rows: [])."""
+        """One step, fn = self.tree_step or self.token_step: each row's committed tokens (finished
+        rows: [])."""
         self.launch(fn, hook)
         return [r[1:1 + r[0]] for r in self.state.out.tolist()]   # the step's one host copy
 
     def launch(self, fn, hook=None) -> None:
-        """fn once, with no host read: as it is, its torch.compile (--compile), or the replay of its
-        CUDA graph (--cuda-graph; captured on first use). fn: spec, ar, or another function of the
-        state (autobudget's catch_up)."""
-        if self.compiled is not None and fn not in self.compiled:
-            self.compiled[fn] = torch.compile(fn, dynamic=False, options=compile_options())
-        run = fn if self.compiled is None else self.compiled[fn]
-        if self.graphs is None:
-            self.view = run(hook)
-            return
-        if fn not in self.graphs:
-            views = []
-            graph = capture_graph(lambda: views.append(run()), warmup=2,
-                                  reset=self.state.snapshot())
-            self.graphs[fn] = (graph, views[-1])   # the capture's outputs: replays rewrite them
-        graph, self.view = self.graphs[fn]
-        graph.replay()
-
-    @classmethod
-    def get(cls, model, drafter, batch, max_seq_len, budget, chain, sampling, mode="eager",
-            debug=False) -> Step:
-        """The step for this shape and setting, made once and kept with its graphs for later calls,
-        after the caches (grown only when too small; in a batch a finished row still writes one
-        step's width past its end). A step made on other caches is made again: a captured graph
-        holds their addresses."""
-        room = max_seq_len + (verify_width(drafter, budget, chain) if batch > 1 else 0)
-        if model.kv_cache is None or model.kv_cache.shape[1] < batch or model.max_seq_len < room:
-            model.setup_cache(batch, room)
-        c = getattr(drafter, "ctx_cache", None)
-        if drafter is not None and (c is None or c.shape[2] < batch
-                                    or drafter.max_ctx_len < max_seq_len):
-            drafter.setup_cache(batch, max_seq_len)
-        key = (id(model), id(drafter), batch, budget, chain, sampling, mode, debug)
-        step = cls.cache.get(key)
-        if step is None or step.caches != Step.caches_of(model, drafter):
-            step = cls.cache[key] = cls(model, drafter, batch, budget, chain, sampling, mode, debug)
-        return step
-
-    @staticmethod
-    def caches_of(model, drafter) -> tuple:
-        """Where the target's and the drafter's caches live, and their shapes."""
-        caches = (model.kv_cache, getattr(drafter, "ctx_cache", None))
-        return tuple((c.data_ptr(), tuple(c.shape)) for c in caches if c is not None)
+        """fn once, with no host read: itself, or its compile or CUDA graph (runner.py). Keeps what
+        it returned (tree_step's View) for a viewer."""
+        self.view = fn(hook) if self.runner is None else self.runner(fn, self.state.snapshot)
 
     def __init__(self, model, drafter, batch, budget, chain, sampling, mode="eager", debug=False):
-        if "graph" in mode and not kernels.ENABLED:
-            raise ValueError("--cuda-graph with --no-triton: the reference MoE picks its experts "
-                             "on the host (unique().tolist()), which a CUDA graph cannot capture; "
-                             "drop one of the two flags")
         self.model, self.drafter, self.budget, self.chain = model, drafter, budget, chain
         self.sampling = sampling                       # (temperature, top_k, top_p)
         self.debug = debug and mode in ("eager", "static")   # NaN/inf checks: they read the host
@@ -207,25 +164,19 @@ class Step:
         dev, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
         self.state = State.zeros(batch, self.width, drafter.block_size if drafter else 1,
                                  len(self.taps) * model.args.hidden_size, dtype, dev)
-        self.one = torch.ones(batch, dtype=torch.long, device=dev)  # [B] ar's accept_len
-        self.caches = Step.caches_of(model, drafter)
-        self.compiled = {} if "compile" in mode else None     # step function -> its compile
-        if self.compiled is not None:
-            # One specialization per shape (budget, batch, sampling), never a dynamic-shape graph:
-            # the shapes are fixed by design, and a symbolic recompile for a second budget fails
-            # gather(out=)'s overlap check. Each budget, temperature and the chain is an entry.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.graphs = {} if "graph" in mode else None   # step function -> (graph, its View)
-        self.view: View | None = None              # what the last spec step left for a viewer
+        self.one = torch.ones(batch, dtype=torch.long, device=dev)  # [B] token_step's path_len
+        # --compile, --cuda-graph: the same functions, wrapped (runner.py); None: run as they are
+        self.runner = runner.Runner(mode) if mode in ("compile", "graph", "graph+compile") else None
+        self.view: View | None = None              # what the last tree step left for a viewer
         self.auto: A.AutoStep | None = None        # --budget auto's machinery (autobudget.py)
 
 
 class View(NamedTuple):
-    """What a speculative step leaves for a viewer (--show-tree, --trace) to read after it."""
-    tree: T.Tree                   # fields [B, N]
+    """What a tree step leaves for a viewer (--show-tree, --trace) to read after it."""
+    tree: ddtree.Tree              # fields [B, N]
     targets: torch.Tensor          # [B, N] the target's token after each node
     accepted: torch.Tensor         # [B, N] the accepted path's nodes, root first
-    accept_len: torch.Tensor       # [B] its length
+    path_len: torch.Tensor       # [B] its length: path_len, the root counted
     logits: torch.Tensor           # [B, N, V] the target's logits after each node
     draft_logits: torch.Tensor     # [B, L, V] the drafter's, one row per depth
 
@@ -235,165 +186,178 @@ def verify_width(drafter, budget: int, chain: bool) -> int:
     return (drafter.block_size if chain else budget + 1) if drafter is not None else 1
 
 
-# torch.compile of the step rounds every intermediate to the model dtype where eager does: without
-# it inductor keeps fused intermediates in fp32, a slightly different bf16 target from the eager one
-# the drafter was distilled against, and the compiled step accepts fewer draft tokens. fp32 is
-# unaffected.
-COMPILE_OPTIONS = {"emulate_precision_casts": True}
+def fit_caches(model, drafter, batch: int, max_seq_len: int, width: int) -> None:
+    """Grow the target's and the drafter's caches where too small, never shrink them (a kept step's
+    CUDA graphs hold their addresses). In a batch a finished row still writes one step's width past
+    its end."""
+    room = max_seq_len + (width if batch > 1 else 0)
+    if model.kv_cache is None or model.kv_cache.shape[1] < batch or model.max_seq_len < room:
+        model.setup_cache(batch, room)
+    c = getattr(drafter, "ctx_cache", None)
+    if drafter is not None and (c is None or c.shape[2] < batch
+                                or drafter.max_ctx_len < max_seq_len):
+        drafter.setup_cache(batch, max_seq_len)
 
 
-def compile_options() -> dict:
-    """COMPILE_OPTIONS that this torch's inductor knows (torch.compile rejects unknown ones; without
-    one, a warning)."""
-    from torch._inductor import config as inductor_config
-    missing = [k for k in COMPILE_OPTIONS if not hasattr(inductor_config, k)]
-    if missing:
-        warnings.warn(f"torch {torch.__version__}: inductor has no {', '.join(missing)}; compiling "
-                      f"without it (in bf16 the compiled step may accept fewer draft tokens)")
-    return {k: v for k, v in COMPILE_OPTIONS.items() if k not in missing}
-
-
-def capture_graph(fn, warmup: int = 1, reset=None) -> "torch.cuda.CUDAGraph":
-    """fn captured in a CUDA graph, after `warmup` calls on a side stream (as torch's CUDA-graph
-    notes ask), each followed by reset(): every warm-up call starts where the capture does, so none
-    writes past its cache slots."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-            if reset is not None:
-                reset()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+def get_step(model, drafter, batch: int, max_seq_len: int, budget: int, chain: bool,
+             sampling: tuple, mode: str = "eager", debug: bool = False,
+             steps: runner.Steps | None = None) -> Step:
+    """The step for this shape and setting, after fit_caches: the one kept in `steps` (default: the
+    model's own, runner.steps_of) with its compiles and CUDA graphs, else a new one, kept there."""
+    fit_caches(model, drafter, batch, max_seq_len, verify_width(drafter, budget, chain))
+    steps = steps if steps is not None else runner.steps_of(model)
+    key = (id(model), id(drafter), batch, budget, chain, sampling, mode, debug)
+    return steps.get(key, lambda: Step(model, drafter, batch, budget, chain, sampling, mode, debug),
+                     (model.kv_cache, getattr(drafter, "ctx_cache", None)))
 
 
 @torch.no_grad()
-def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, drafter=None,
-             budget: int | str = 8, chain: bool = False, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, stop_ids=(), seed: int = 0, max_seq_len: int | None = None,
-             on_tokens=None, on_step=None, stats: Stats | None = None, mode: str = "eager",
-             debug: bool = False) -> list[int]:
-    """Decode up to max_new_tokens after prompt_ids: generate_batch for one prompt. Returns the new
-    tokens. on_tokens(list[int]) gets each step's committed tokens (streaming)."""
+def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, drafter=None, *,
+             on_tokens=None, **options) -> list[int]:
+    """Decode up to max_new_tokens after prompt_ids: generate_batch for one prompt, with the same
+    options. Returns the new tokens. on_tokens(list[int]) gets each step's committed tokens."""
     stream = (lambda b, tokens: on_tokens(tokens)) if on_tokens else None
-    return generate_batch(model, [prompt_ids], max_new_tokens, drafter, budget, chain, temperature,
-                          top_k, top_p, stop_ids, seed, max_seq_len, mode, stats, stream, on_step,
-                          debug)[0]
+    return generate_batch(model, [prompt_ids], max_new_tokens, drafter, on_tokens=stream,
+                          **options)[0]
 
 
 @torch.no_grad()
 def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_tokens: int,
-                   drafter=None, budget: int | str = 8, chain: bool = False,
+                   drafter=None, *, budget: int | str = 8, chain: bool = False,
                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, stop_ids=(),
                    seed: int = 0, max_seq_len: int | None = None, mode: str = "eager",
-                   stats: Stats | None = None, on_tokens=None, on_step=None,
-                   debug: bool = False) -> list[list[int]]:
+                   stats: Stats | None = None, on_tokens=None, on_step=None, debug: bool = False,
+                   steps: runner.Steps | None = None) -> list[list[int]]:
     """Decode several prompts at once, each in its own cache row, until each stops (stop token,
     length, cache end). drafter=None or budget=0: autoregressive; chain=True: the DFlash chain (the
-    drafter's top-1 at each position); budget="auto": before each step autobudget.py picks a tree of
-    AUTO_BUDGET or one token (sampled tokens follow the target's distribution but, as the choices
-    follow measured times, do not repeat for a seed).
-    on_tokens(b, tokens): row b's committed tokens, each step (streaming). on_step(b, view, tokens):
-    after each speculative step, for each row still decoding, the step's View and row b's tokens.
-    mode: "eager" (the step as it is, timed stage by stage), "static" (the same, timed as a whole),
-    "compile", "graph" (a CUDA graph of it), "graph+compile". debug: NaN/inf checks per layer, TP
-    ranks agree."""
+    drafter's top-1 at each depth); budget="auto": autobudget.py picks a tree of AUTO_BUDGET or one
+    token before each step (sampled tokens then follow the target but do not repeat for a seed).
+    on_tokens(b, tokens): row b's committed tokens, each step. on_step(b, view, tokens): the same
+    after a tree step, with its View. mode: runner.MODES ("eager" times each stage). debug: NaN/inf
+    checks per layer, TP ranks agree. steps: where the step is kept for the next call (get_step)."""
     stats = stats if stats is not None else Stats()
-    B, dev = len(prompts), model.embed_tokens.weight.device
     max_seq_len = max_seq_len or model.max_seq_len or max(map(len, prompts)) + max_new_tokens + 80
-    for i, p in enumerate(prompts):
-        check_prompt(p, model.args.vocab_size, max_seq_len, f"prompt {i}: " if B > 1 else "")
-    V.check_temperature(temperature)
-    auto = budget == "auto"
-    if auto and chain:
-        raise ValueError("--budget auto chooses between a tree and one token: not with --chain")
-    budget = AUTO_BUDGET if auto else budget
+    check_options(model, prompts, max_seq_len, budget, chain, temperature, mode)
+    auto, budget = budget == "auto", AUTO_BUDGET if budget == "auto" else budget
     drafter = drafter if budget > 0 or chain else None
-    step = Step.get(model, drafter, B, max_seq_len, budget, chain, (temperature, top_k, top_p),
-                    mode, debug)
-    stop, clock = set(int(t) for t in stop_ids), _Clock(dev, stats)
+    step = get_step(model, drafter, len(prompts), max_seq_len, budget, chain,
+                    (temperature, top_k, top_p), mode, debug, steps)
+    rows = Rows(step, prompts, max_new_tokens, max_seq_len, stop_ids, on_tokens, on_step, stats,
+                temperature)
+    clock = _Clock(model.embed_tokens.weight.device, stats)
     torch.manual_seed(seed)     # every sample draws from the default generator (a graph replays it)
     # 0. prefill: each prompt's KV, its first token, its context rows for the drafter
     step.prefill(prompts, debug)
     stats.prefill_s = clock.lap()
-    outs, done, start = [[] for _ in prompts], [False] * B, [len(p) for p in prompts]
-    steps = 0
-
-    def emit(b: int, tokens: list[int]) -> None:
-        """Append row b's tokens, up to a stop token or the length limit (then the row finishes).
-        A V.NO_TOKEN ends the run after the tokens before it (the target has no next token)."""
-        n0 = len(outs[b])
-        for t in tokens:
-            if t == V.NO_TOKEN:
-                break
-            outs[b].append(t)
-            if t in stop or len(outs[b]) >= max_new_tokens:
-                finish(b, "stop token" if t in stop else "max_new_tokens")
-                break
-        if on_tokens:
-            on_tokens(b, outs[b][n0:])
-        if tokens[-1] == V.NO_TOKEN and not done[b]:
-            when = (f"decoding step {steps}" if steps else "prefill") + (f", prompt {b}" * (B > 1))
-            raise no_token_error(when, start[b] - 1, temperature)
-
-    def finish(b: int, why: str) -> None:
-        done[b], stats.stopped = True, why
-        step.state.active[b] = False     # the step masks row b from now on
-
-    for b, t in enumerate(step.state.bonus.tolist()):   # the first tokens, before attach steps on
-        emit(b, [t])
+    for b, t in enumerate(step.state.root.tolist()):   # the first tokens, before attach steps on
+        rows.emit(b, [t])
     room = max_seq_len - max(map(len, prompts))
     auto = A.attach(step, room) if auto and drafter is not None else None
     if auto:
         clock.lap()                      # untimed: on its first call attach times the steps
-    t_decode = clock.t
-    hook = clock.stage if mode == "eager" else None   # per-stage times: syncs between stages
+    t_decode, hook = clock.t, clock.stage if mode == "eager" else None   # eager: time each stage
     fits = drafter is not None
-    while not all(done):
-        # the next step must fit in the cache: a tree, else (from then on) one token, else the
-        # row stops
-        fits = fits and all(done[b] or start[b] + step.width <= max_seq_len for b in range(B))
-        for b in range(B):
-            if not done[b] and start[b] + (step.width if fits else 1) > max_seq_len:
-                finish(b, f"cache full (--max-seq-len {max_seq_len})")
-        if all(done):
+    while True:
+        fits = rows.fit(step.width, fits)    # a tree while it fits, then one token, then none
+        if all(rows.done):
             break
         clock.laps = {}
         # 1-5. one step for every row: draft, build tree, verify, accept, commit (or one token)
         if auto is None:
-            tree_step, rows = fits, step.run(step.spec if fits else step.ar, hook)
+            is_tree, new = fits, step.run(step.tree_step if fits else step.token_step, hook)
         else:                            # --budget auto picks a tree or one token, and runs it
-            tree_step, rows = auto.next_step(fits, prompts, outs, hook)
-        steps += 1
+            is_tree, new = auto.next_step(fits, prompts, rows.outs, hook)
+        rows.steps += 1
         if hook is None:
             clock.stage("verify")        # compiled, captured or static: the whole step's time
         stats.step_s.append(clock.laps)
-        stats.budgets[step.width - 1 if tree_step else 0] += 1   # a chain: its drafted tokens
+        stats.budgets[step.width - 1 if is_tree else 0] += 1   # a chain: its drafted tokens
         if debug:
-            check_ranks_agree(rows)
-        # 6. stream each row's committed tokens; a row stops on a stop token or the length limit
-        for b, new in enumerate(rows):
-            if not done[b]:
-                start[b] += len(new)
-                stats.accept_lens.append(len(new))
-                if on_step and tree_step and new[-1] != V.NO_TOKEN:
-                    on_step(b, step.view, new)
-                emit(b, new)
-    stats.new_tokens = sum(map(len, outs))
+            check_ranks_agree(new)
+        rows.take(new, step.view)        # 6. stream them; a row stops on a stop token or length
     clock.lap()
-    stats.decode_s = clock.t - t_decode
-    return outs
+    stats.new_tokens, stats.decode_s = sum(map(len, rows.outs)), clock.t - t_decode
+    return rows.outs
 
 
-def no_token_error(when: str, pos: int, temperature: float) -> RuntimeError:
-    """The target's logits after position `pos` gave no token (verify.NO_TOKEN): the run's end."""
-    over = f", or past float32 divided by the temperature {temperature:g}" if temperature else ""
-    return RuntimeError(f"{when}: the target's logits after position {pos} give no token (NaN or "
-                        f"inf{over}); --debug names the first layer that makes NaN or inf")
+class Rows:
+    """The loop's bookkeeping on the host, row by row: the new tokens (outs), the committed length
+    in the cache (lens), and whether the row has finished (done: a stop token, max_new_tokens, or
+    the cache's end); finish masks the row in the step."""
+
+    def __init__(self, step: Step, prompts, max_new_tokens: int, max_seq_len: int, stop_ids,
+                 on_tokens, on_step, stats: Stats, temperature: float):
+        self.step, self.max_new_tokens, self.max_seq_len = step, max_new_tokens, max_seq_len
+        self.outs, self.done = [[] for _ in prompts], [False] * len(prompts)
+        self.lens = [len(p) for p in prompts]
+        self.stop, self.on_tokens, self.on_step = set(int(t) for t in stop_ids), on_tokens, on_step
+        self.stats, self.temperature, self.steps = stats, temperature, 0
+
+    def fit(self, width: int, tree: bool) -> bool:
+        """The cache-fit rule, before each step: a tree step needs `width` free slots in every
+        decoding row, else every row takes one token a step from then on (returns False); a row
+        without room for that finishes."""
+        room = [self.max_seq_len - n for n in self.lens]           # free slots per row
+        tree = tree and all(d or r >= width for d, r in zip(self.done, room))
+        for b, r in enumerate(room):
+            if not self.done[b] and r < (width if tree else 1):
+                self.finish(b, f"cache full (--max-seq-len {self.max_seq_len})")
+        return tree
+
+    def take(self, new: list[list[int]], view: View | None) -> None:
+        """A step's committed tokens, row by row (new[b]; finished rows: none): counted, shown
+        (on_step, after a tree step: view) and streamed (emit)."""
+        for b, tokens in enumerate(new):
+            if not self.done[b]:
+                self.lens[b] += len(tokens)
+                self.stats.accept_lens.append(len(tokens))
+                if self.on_step and view is not None and tokens[-1] != verify.NO_TOKEN:
+                    self.on_step(b, view, tokens)
+                self.emit(b, tokens)
+
+    def emit(self, b: int, tokens: list[int]) -> None:
+        """Append row b's tokens, up to a stop token or the length limit (then the row finishes).
+        A verify.NO_TOKEN ends the run after the tokens before it (the target has no next token)."""
+        out, n0 = self.outs[b], len(self.outs[b])
+        for t in tokens:
+            if t == verify.NO_TOKEN:
+                break
+            out.append(t)
+            if t in self.stop or len(out) >= self.max_new_tokens:
+                self.finish(b, "stop token" if t in self.stop else "max_new_tokens")
+                break
+        if self.on_tokens:
+            self.on_tokens(b, out[n0:])
+        if tokens[-1] == verify.NO_TOKEN and not self.done[b]:
+            raise self.no_token(b)
+
+    def finish(self, b: int, why: str) -> None:
+        self.done[b], self.stats.stopped = True, why
+        self.step.state.active[b] = False     # the step masks row b from now on
+
+    def no_token(self, b: int) -> RuntimeError:
+        """The target's logits after row b's last position gave no token (verify.NO_TOKEN): the
+        run's end, an error naming the step and the position."""
+        when = f"decoding step {self.steps}" if self.steps else "prefill"
+        when += f", prompt {b}" * (len(self.done) > 1)
+        over = f", or past float32 divided by the temperature {self.temperature:g}" \
+            if self.temperature else ""
+        return RuntimeError(f"{when}: the target's logits after position {self.lens[b] - 1} give no "
+                            f"token (NaN or inf{over}); --debug names the first layer that makes NaN "
+                            f"or inf")
+
+
+def check_options(model, prompts, max_seq_len: int, budget, chain: bool, temperature: float,
+                  mode: str) -> None:
+    """What generate_batch refuses before it runs anything (a ValueError naming it)."""
+    for i, p in enumerate(prompts):
+        what = f"prompt {i}: " if len(prompts) > 1 else ""
+        check_prompt(p, model.args.vocab_size, max_seq_len, what)
+    verify.check_temperature(temperature)
+    if budget == "auto" and chain:
+        raise ValueError("--budget auto chooses between a tree and one token: not with --chain")
+    if mode not in runner.MODES:
+        raise ValueError(f"mode {mode!r}: one of {', '.join(runner.MODES)}")
 
 
 def check_prompt(prompt_ids: list[int], vocab: int, max_seq_len: int, what: str = "") -> None:

@@ -2,7 +2,7 @@
 Triton fast paths of nano-ddtree: each kernel computes what a plain PyTorch function of a stage file computes (its
 reference), in fewer launches or fewer bytes.
 
-    model.py   linear, rms_norm, add_rms_norm, rope, silu_mul, mla_latent_to_cache, mla_tree_attention,
+    model.py   linear, rms_norm, add_rms_norm, rope, silu_mul, mla_latent_to_cache, mla_attention,
                router_topk, int4_experts (launcher: fused_moe_w4a16); the MoE part, MoE.local (moe_local)
     draft.py   qkv_norm_rope, block_attention;   tree.py  rank_topk, ddtree_search;   verify.py  accept, commit_kv
 
@@ -136,11 +136,11 @@ def _host(t: torch.Tensor) -> bool:
     return t.is_cpu and not torch.compiler.is_compiling()
 
 
-@register("mla_tree_attention", host=True, fits=lambda q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale,
+@register("mla_attention", host=True, fits=lambda q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale,
           out=None: _host(cache))
-def _mla_tree_attention_visible(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=None):
+def _mla_attention_visible(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=None):
     S = int(prefix_len.max()) + q_lat.shape[1]                                  # past the last row's tree
-    return _REFS["mla_tree_attention"](q_lat, q_pe, cache[:, :S], prefix_len, tree_mask, softmax_scale, out)
+    return _REFS["mla_attention"](q_lat, q_pe, cache[:, :S], prefix_len, tree_mask, softmax_scale, out)
 
 
 @register("block_attention", host=True, fits=lambda q, k_cache, v_cache, prefix_len, softmax_scale, out=None:
@@ -408,7 +408,7 @@ def linear(x, weight):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 2. MLA tree attention over the compressed cache (absorbed form). Reference: model.mla_tree_attention.
+# 2. MLA tree attention over the compressed cache (absorbed form). Reference: model.mla_attention.
 # Flash-decoding's split + merge with grouped heads, plus a tree mask. Stage 1, grid (query block, split, b): all
 # T*H query rows of row b share one K and V (the latent is both), so a program loads each cache tile once for
 # BLOCK_Q rows (t, h), runs an online softmax over its split of keys, and writes a normalized partial output and its
@@ -545,9 +545,9 @@ def _mla_attention_fits(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale
 
 
 # opaque to torch.compile: inductor would rebuild the kernels from their source; a graph break instead
-@register("mla_tree_attention", fits=_mla_attention_fits)
+@register("mla_attention", fits=_mla_attention_fits)
 @torch.compiler.disable
-def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=None):
+def mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=None):
     (B, T, H, R), P = q_lat.shape, q_pe.shape[-1]
     q_pe, prefix_len = q_pe.contiguous(), prefix_len.contiguous()
     if out is None:
@@ -1700,13 +1700,13 @@ def _tree_accept_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, mask_ptr, target_p
     bad = anc & ~(match | (i == 0))[None, :]                                   # [node i, node j] j breaks i's path
     ok = (tl.sum(bad.to(tl.int32), 1) == 0) & m
     depth = tl.load(dep_ptr + row + i, mask=m, other=0)
-    accept_len = tl.sum(ok.to(tl.int64), 0)
+    path_len = tl.sum(ok.to(tl.int64), 0)
     deepest = tl.argmax(tl.where(ok, depth, -1), 0)     # the ok nodes form one chain: their depths are distinct
-    # accepted[d] = the path's node at depth d, for d < accept_len; the deepest node after that
+    # accepted[d] = the path's node at depth d, for d < path_len; the deepest node after that
     on_d = ok[None, :] & (depth[None, :] == i[:, None])                                         # [depth d, node j]
     node = tl.sum(tl.where(on_d, i[None, :], 0), 1)
-    tl.store(accepted_ptr + row + i, tl.where(i < accept_len, node, deepest).to(tl.int64), mask=m)
-    tl.store(len_ptr + tl.program_id(0), accept_len)
+    tl.store(accepted_ptr + row + i, tl.where(i < path_len, node, deepest).to(tl.int64), mask=m)
+    tl.store(len_ptr + tl.program_id(0), path_len)
     tl.store(bonus_ptr + tl.program_id(0), tl.load(target_ptr + row + deepest))
 
 
@@ -1714,12 +1714,12 @@ def _tree_accept_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, mask_ptr, target_p
 def accept(tree, target_tokens):
     B, N = tree.tokens.shape
     accepted = torch.empty(B, N, dtype=torch.long, device=target_tokens.device)
-    accept_len, bonus = torch.empty(2, B, dtype=torch.long, device=target_tokens.device)
+    path_len, bonus = torch.empty(2, B, dtype=torch.long, device=target_tokens.device)
     fields = [t.contiguous() for t in (tree.tokens, tree.parents, tree.depths, tree.valid.view(torch.int8),
                                        tree.ancestor_mask.view(torch.int8), target_tokens)]
-    _tree_accept_kernel[(B,)](*fields, accepted, accept_len, bonus, N, BLOCK=max(16, triton.next_power_of_2(N)),
+    _tree_accept_kernel[(B,)](*fields, accepted, path_len, bonus, N, BLOCK=max(16, triton.next_power_of_2(N)),
                               num_warps=2)
-    return accepted, accept_len, bonus
+    return accepted, path_len, bonus
 
 
 # commit_kv: every layer's accepted-path cache rows kv_cache[layer, b, start + accepted[b, j]] -> slot start + j,
@@ -1741,12 +1741,12 @@ def _commit_kv_kernel(cache_ptr, start_ptr, accepted_ptr, len_ptr, N, C, stride_
                 tl.store(base + j * stride_s + c, row, mask=c < C)
 
 
-@register("commit_kv", fits=lambda kv_cache, start_pos, accepted, accept_len: (
+@register("commit_kv", fits=lambda kv_cache, start_pos, accepted, path_len: (
     _glue(kv_cache) and isinstance(start_pos, torch.Tensor) and kv_cache.stride(-1) == 1))
-def commit_kv(kv_cache, start_pos, accepted, accept_len):
+def commit_kv(kv_cache, start_pos, accepted, path_len):
     B, N = accepted.shape
     start = start_pos.reshape(-1).expand(B).contiguous()                                     # [B]
-    _commit_kv_kernel[(kv_cache.shape[0], B)](kv_cache, start, accepted.contiguous(), accept_len.contiguous(), N,
+    _commit_kv_kernel[(kv_cache.shape[0], B)](kv_cache, start, accepted.contiguous(), path_len.contiguous(), N,
                                               kv_cache.shape[3], *kv_cache.stride()[:3],
                                               BLOCK_C=min(1024, triton.next_power_of_2(kv_cache.shape[3])), num_warps=4)
 

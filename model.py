@@ -313,7 +313,7 @@ def mla_latent_to_cache(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos:
 
 
 @kernels.fast
-def mla_tree_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale: float, out=None):
+def mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale: float, out=None):
     """Absorbed MLA attention: q_lat [B, T, H, R], q_pe [B, T, H, P] over cache [B, S, R+P] (the
     latent is both key and value) -> [B, T, H, R]. Query t of row b sees slot s < prefix_len[b] (the
     committed prefix) and tree slot prefix_len[b] + j where tree_mask[b, t, j] ([B, T, T] bool)."""
@@ -418,7 +418,7 @@ class MLA(nn.Module):
         wkv_b = self._wkv_b()
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :self.nope])          # [B, T, H, R]
         prefix = _starts(start_pos, B, q_nope.device)                                  # [B]
-        o_lat = mla_tree_attention(q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)
+        o_lat = mla_attention(q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)
         # o = einsum("bthr,hdr->bthd", o_lat, W_UV), one GEMM per head written straight into the
         # [B, T, H, v] rows o_proj reads (the einsum would leave [H, B*T, v] to copy)
         o = torch.empty(B, T, self.n_heads, self.v_dim, dtype=o_lat.dtype, device=o_lat.device)
@@ -686,8 +686,7 @@ ABSORB_MAX_T = 64
 class Output(NamedTuple):
     """What Transformer.forward returns, whatever its arguments."""
     logits: torch.Tensor                 # [B, T, vocab] fp32 ([B, 1, vocab] with last_only)
-    # [B, T, len(hidden_layers) * hidden_size] the tapped layers; or None
-    hidden: torch.Tensor | None
+    taps: torch.Tensor | None            # [B, T, len(hidden_layers) * D] the tapped layers, or None
 
 
 class Transformer(nn.Module):
@@ -723,8 +722,8 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, start_pos=None, positions=None, tree_mask=None,
                 hidden_layers=(), absorb=None, last_only: bool = False, debug: bool = False,
                 cache_row: int = 0) -> Output:
-        """tokens [B, T] -> Output(logits [B, T or 1 (last_only), vocab] fp32, hidden: the outputs
-        of hidden_layers, concatenated [B, T, len * D], or None). start_pos None: no cache; int or
+        """tokens [B, T] -> Output(logits [B, T or 1 (last_only), vocab] fp32, taps: the outputs of
+        hidden_layers, concatenated [B, T, len * D], or None). start_pos None: no cache; int or
         LongTensor [B]: the tokens go to cache rows cache_row.. at slots start_pos + [0, T), and
         see every slot before. tree_mask [B, T, T] bool: what they see among themselves (default
         causal). positions [B, T]: rope positions (default the slots; verify: start + depth)."""

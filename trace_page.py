@@ -44,7 +44,7 @@ class StepRecord:
     targets: list[int]       # [n] the target's token after each node (argmax, or its sample)
     p_target: list[float]    # [n] its probability: softmax(logits / T), T = 1 when greedy
     p_token: list[float]     # [n] the target's probability of the node's own token after the parent
-    path: list[int]          # the accepted nodes, root first (accept_len of them)
+    path: list[int]          # the accepted nodes, root first (path_len of them)
     new: list[int]           # the tokens the step committed: the path's after the root, then the bonus
 
 
@@ -66,7 +66,7 @@ def read_step(view, b: int, new_tokens: list[int], temperature: float) -> StepRe
     p_target = (z.gather(1, view.targets[b, :, None])[:, 0] - lse).exp()                        # [N]
     p_token = (z[parent, t.tokens[b]] - lse[parent]).exp()                                       # [N]
     rows = torch.stack([x.double() for x in (t.tokens[b], t.parents[b], t.scores[b], t.valid[b], view.targets[b],
-                                              p_target, p_token, view.accepted[b], view.accept_len[b].expand(N))])
+                                              p_target, p_token, view.accepted[b], view.path_len[b].expand(N))])
     tok, par, score, valid, tgt, pt, pk, acc, k = rows.tolist()                                  # [9, N]
     n, k = int(sum(valid)), int(k[0])
     ints = lambda xs, m=n: [int(x) for x in xs[:m]]

@@ -47,12 +47,12 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint as C
-import draft as D
+import draft as dflash
 import files
 from cli import check_device, check_ranges, exit_code
 import model as M
 import tokenizer as tk
-import verify as V
+import verify
 
 TARGET_DIR, DRAFT_DIR = "tiny-k2", "tiny-k2-dflash"   # the names generate.py looks for under checkpoints/
 GROUP = 32                                            # INT4 group size (K2.6)
@@ -485,7 +485,7 @@ def reuse_target_log(earlier: dict, target: M.Transformer, r: dict, log: dict) -
 
 def drafter_config(p: dict, target_args: M.ModelArgs, num_base: int) -> dict:
     L, n = target_args.num_hidden_layers, p["draft_layers"]
-    taps = sorted({min(max(i, 0), L - 1) for i in D.build_target_layer_ids(L, n)})   # shallow targets: clamp
+    taps = sorted({min(max(i, 0), L - 1) for i in dflash.build_target_layer_ids(L, n)})   # shallow targets: clamp
     return dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=target_args.hidden_size,
                 intermediate_size=p["draft_inter"], num_hidden_layers=n, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=target_args.hidden_size // 4, hidden_act="silu", rms_norm_eps=1e-5,
@@ -498,11 +498,11 @@ def drafter_config(p: dict, target_args: M.ModelArgs, num_base: int) -> dict:
                 torch_dtype="bfloat16")
 
 
-def drafter_train_forward(drafter: D.DFlashDrafter, embed, feats: torch.Tensor, tokens: torch.Tensor,
+def drafter_train_forward(drafter: dflash.DFlashDrafter, embed, feats: torch.Tensor, tokens: torch.Tensor,
                           anchors: torch.Tensor) -> torch.Tensor:
     """All blocks of a batch in one pass of the plain drafter (DFlashDrafter.plain_forward).
     feats [B, T, n_taps*D] (target taps for tokens [B, T]), anchors [B, A] -> normalized block
-    hidden states [B, A, bs, D], each equal to DFlashDrafter.forward at that anchor."""
+    hidden states [B, A, bs, D], each equal to DFlashDrafter.cached_forward at that anchor."""
     a = drafter.args
     B, T = tokens.shape
     A, bs = anchors.shape[1], a.block_size
@@ -596,7 +596,7 @@ def rollouts(target: M.Transformer, data: torch.Tensor, n: int, prefix: int, new
     are exactly the tokens greedy verification accepts: corpus labels teach the drafter the data, these the target."""
     target.setup_cache(batch, prefix + new)
     noise = torch.Generator(device).manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
-    pick = lambda out: V.sample(out.logits[:, -1], temperature, generator=noise)             # [batch]
+    pick = lambda out: verify.sample(out.logits[:, -1], temperature, generator=noise)             # [batch]
     seqs = []
     for _ in range(max(1, n // batch)):
         x = get_batch(data, batch, prefix - 1, gen, device)                                # [batch, prefix]
@@ -661,7 +661,7 @@ def accept_lengths(target_dir: str, draft_dir: str, val: torch.Tensor, tok: tk.T
     held-out files (seeded positions)."""
     import generate as G
     target = load_target(target_dir, device, dtype)
-    drafter = D.load_drafter(draft_dir, target_args=target.args, device=device, dtype=dtype)
+    drafter = dflash.load_drafter(draft_dir, target_args=target.args, device=device, dtype=dtype)
     openings = (val == tok.bos_id).nonzero().flatten().tolist()[:n_prompts]
     g = torch.Generator().manual_seed(5)
     middles = torch.randint(len(val) - prompt_len - 1, (2 * n_prompts,), generator=g).tolist()
@@ -846,12 +846,12 @@ def main(a: argparse.Namespace) -> dict:
     # 5. drafter against the frozen exported target
     torch.manual_seed(a.seed + 1)                  # its init does not depend on whether this run trained the target
     dcfg = drafter_config(p, target.args, num_base)
-    dargs = D.DraftArgs.from_config(dcfg)
-    D.check_compatible(dargs, target.args)
+    dargs = dflash.DraftArgs.from_config(dcfg)
+    dflash.check_compatible(dargs, target.args)
     with torch.device(device):
-        drafter = D.DFlashDrafter(dargs)
+        drafter = dflash.DFlashDrafter(dargs)
     init_weights_(drafter, dargs.num_hidden_layers)
-    save_drafter = lambda: D.write_drafter(ddir, {k: v.to("cpu", torch.bfloat16) for k, v in drafter.state_dict().items()},
+    save_drafter = lambda: dflash.write_drafter(ddir, {k: v.to("cpu", torch.bfloat16) for k, v in drafter.state_dict().items()},
                                            dcfg)
     train_drafter(drafter, target, train, val, p, device, log)
     save_drafter()                                 # a run stopped during distillation still leaves a drafter

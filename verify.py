@@ -8,7 +8,7 @@ Invariants:
   * acceptance follows the target's own decoding rule (argmax, or one sample per node at
     temperature T), so the committed tokens are distributed exactly as autoregressive decoding
     (greedy: token for token);
-  * after commit, cache slots [start, start + accept_len) hold the accepted path's KV in order,
+  * after commit, cache slots [start, start + path_len) hold the accepted path's KV in order,
     i.e. the cache equals the cache of an autoregressive run over the same tokens;
   * tensor ops only (no .item(), no per-node Python loop), so a whole step can be captured in a
     CUDA graph.
@@ -94,33 +94,33 @@ def accept(tree: Tree,
            target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The longest root-to-node path whose every token is the target's token after its parent:
     tree [B, N], target_tokens [B, N] -> accepted [B, N] (the path, root first, its last node
-    repeated), accept_len [B] (its nodes = tokens committed, bonus included), bonus [B]."""
+    repeated), path_len [B] (its nodes = tokens committed, bonus included), bonus [B]."""
     B, N = tree.tokens.shape
     parent_target = target_tokens.gather(1, tree.parents.clamp(min=0))              # [B, N]
     match = (tree.tokens == parent_target) & tree.valid                             # [B, N]
     # on the path iff every ancestor below the root matches (bools: mask <= match = "implies")
     ok = (tree.ancestor_mask[:, :, 1:] <= match[:, None, 1:]).all(dim=-1)           # [B, N]
     # siblings carry distinct tokens: at most one child matches, the ok nodes form one chain
-    accept_len = ok.sum(dim=-1)                                                     # [B]
+    path_len = ok.sum(dim=-1)                                                     # [B]
     deepest = torch.where(ok, tree.depths, -1).argmax(dim=-1, keepdim=True)         # [B, 1]
     # each path node to its depth (the others to a dump column N); the rest repeat the deepest
     accepted = deepest.repeat(1, N + 1)                                             # [B, N+1]
     node_ids = torch.arange(N, device=tree.tokens.device).expand(B, N)              # [B, N]
     accepted.scatter_(1, torch.where(ok, tree.depths, N), node_ids)
     bonus = target_tokens.gather(1, deepest).squeeze(1)                             # [B]
-    return accepted[:, :N], accept_len, bonus
+    return accepted[:, :N], path_len, bonus
 
 
 @kernels.fast
 def commit_kv(kv_cache: torch.Tensor, start_pos: torch.Tensor | int, accepted: torch.Tensor,
-              accept_len: torch.Tensor) -> None:
-    """The accepted path's KV from slots start + node to start + [0, accept_len), every layer at
+              path_len: torch.Tensor) -> None:
+    """The accepted path's KV from slots start + node to start + [0, path_len), every layer at
     once (kv_cache [n_layers, Bmax, S, C]). No recompute: node i sat at position start + depth_i,
-    its new slot, and saw only its ancestors. Slots past accept_len copy onto themselves."""
+    its new slot, and saw only its ancestors. Slots past path_len copy onto themselves."""
     B, N = accepted.shape
     start = torch.as_tensor(start_pos, device=accepted.device).view(-1, 1).expand(B, 1)  # [B, 1]
     j = torch.arange(N, device=accepted.device)                                           # [N]
-    src = start + torch.where(j < accept_len.view(B, 1), accepted, j)                     # [B, N]
+    src = start + torch.where(j < path_len.view(B, 1), accepted, j)                     # [B, N]
     kv = kv_cache[:, :B]  # [n_layers, B, S, C]
     # [n_layers, B, N, C]
     slots = lambda t: t[None, :, :, None].expand(kv.shape[0], B, N, kv.shape[3])

@@ -15,8 +15,9 @@ import torch
 
 import autobudget as A
 import cli
-import draft as D
+import draft as dflash
 import generate as G
+import runner
 import tiny
 from test_generate import StubDrafter, count_syncs
 
@@ -34,7 +35,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def drafter(target):
-    d = D.DFlashDrafter(D.DraftArgs.from_config(D.tiny_draft_config(target.args)))   # block_size 4
+    d = dflash.DFlashDrafter(dflash.DraftArgs.from_config(dflash.tiny_draft_config(target.args)))   # block_size 4
     tiny.randomize_(d, seed=5, std=0.3)
     return d
 
@@ -57,7 +58,7 @@ def spy_steps(monkeypatch):
     run, catch_up, init = G.Step.run, A.AutoStep.catch_up, A.AutoStep.__init__
 
     def step_run(self, fn, hook=None):
-        kinds.append(fn.__name__ == "spec")
+        kinds.append(fn.__name__ == "tree_step")
         return run(self, fn, hook)
 
     def tapped(self, hook=None):
@@ -85,13 +86,13 @@ def test_greedy_scripted_switches_equal_autoregressive(target, drafter, ar, monk
     the target's uncached hidden states on the tokens the stretch committed (a block at most): new_ctx_len of them."""
     script(monkeypatch, SCRIPT)
     kinds, catch_ups = spy_steps(monkeypatch)
-    G.Step.cache.clear()
+    kept = runner.Steps()
     st = G.Stats()
-    assert G.generate(target, PROMPT, 80, drafter=drafter, budget="auto", max_seq_len=160, stats=st) == ar
+    assert G.generate(target, PROMPT, 80, drafter=drafter, budget="auto", max_seq_len=160, stats=st, steps=kept) == ar
     assert set(st.budgets) == {0, G.AUTO_BUDGET} and sum(st.budgets.values()) == len(kinds)
     assert st.budgets[0] == kinds.count(False) and st.budgets[G.AUTO_BUDGET] == kinds.count(True)
     assert len(catch_ups) == sum(cur and not prev for prev, cur in zip(kinds, kinds[1:])) >= 5
-    (step,) = G.Step.cache.values()
+    (step,) = kept.values()
     bs, seq = drafter.block_size, PROMPT + ar
     with torch.no_grad():
         _, hidden = target(torch.tensor([seq]), hidden_layers=step.taps)                 # [1, T, taps*D]
@@ -115,9 +116,10 @@ def test_auto_batch_short_prompt_and_cache_end(target, drafter, monkeypatch):
     kinds, catch_ups = spy_steps(monkeypatch)
     prompts = [PROMPT, [2, 7], [5] * 9]
     alone = [G.generate(target, p, 80, max_seq_len=50) for p in prompts]
-    G.Step.cache.clear()
+    kept = runner.Steps()
     st = G.Stats()
-    assert G.generate_batch(target, prompts, 80, drafter=drafter, budget="auto", max_seq_len=50, stats=st) == alone
+    assert G.generate_batch(target, prompts, 80, drafter=drafter, budget="auto", max_seq_len=50, stats=st,
+                            steps=kept) == alone
     assert all(len(p) + len(o) == 51 for p, o in zip(prompts, alone)) and "cache full" in st.stopped
     assert set(st.budgets) == {0, G.AUTO_BUDGET} and catch_ups
     start, recent, _, _ = catch_ups[0]                    # after one token: row 1 holds 3 tokens, padded with 0
@@ -127,10 +129,10 @@ def test_auto_batch_short_prompt_and_cache_end(target, drafter, monkeypatch):
 @pytest.mark.parametrize("drafts", ["random", "perfect"])
 def test_greedy_auto_with_the_real_controller(target, ar, drafts):
     """The unscripted controller, with drafts never or always right: still the autoregressive tokens."""
-    G.Step.cache.clear()
+    kept = runner.Steps()
     stub = StubDrafter(drafts, 96, reference=PROMPT + ar)
     st = G.Stats()
-    assert G.generate(target, PROMPT, 80, drafter=stub, budget="auto", max_seq_len=160, stats=st) == ar
+    assert G.generate(target, PROMPT, 80, drafter=stub, budget="auto", max_seq_len=160, stats=st, steps=kept) == ar
     assert sum(st.budgets.values()) == len(st.accept_lens) and set(st.budgets) <= {0, G.AUTO_BUDGET}
 
 
@@ -144,14 +146,14 @@ def test_loop_moves_to_one_token_when_trees_do_not_pay(target, ar, drafts, monke
     launch = G.Step.launch
 
     def timed(self, fn, hook=None):
-        now[0] += {"spec": 1.5, "ar": 1.0, "catch_up": 0.5}[fn.__name__]
+        now[0] += {"tree_step": 1.5, "token_step": 1.0, "catch_up": 0.5}[fn.__name__]
         launch(self, fn, hook)
     monkeypatch.setattr(G.Step, "launch", timed)
-    G.Step.cache.clear()
+    kept = runner.Steps()
     st = G.Stats()
     stub = StubDrafter(drafts, 96, reference=PROMPT + ar)
-    assert G.generate(target, PROMPT, 80, drafter=stub, budget="auto", max_seq_len=160, stats=st) == ar
-    (step,) = G.Step.cache.values()
+    assert G.generate(target, PROMPT, 80, drafter=stub, budget="auto", max_seq_len=160, stats=st, steps=kept) == ar
+    (step,) = kept.values()
     assert step.auto.control.ratio == pytest.approx(1.5)
     share = st.budgets[0] / sum(st.budgets.values())
     assert share > 0.8 if drafts == "adversarial" else share == 0, st.budgets    # probes: MIN_RUN trees each
@@ -164,9 +166,9 @@ def test_auto_sampling_keeps_the_target_distribution(target, drafter, monkeypatc
     context with enough rows)."""
     script(monkeypatch, [F, T, F, T, T])
     rows, prompt, topk = 1500, [3, 1, 4, 1, 5], 3
-    G.Step.cache.clear()
+    kept = runner.Steps()
     outs = G.generate_batch(target, [prompt] * rows, 4, drafter=drafter, budget="auto", temperature=1.0,
-                            top_k=topk, max_seq_len=32, seed=1)
+                            top_k=topk, max_seq_len=32, seed=1, steps=kept)
     checked = 0
     for depth in (1, 2, 3):
         groups = {}
@@ -186,7 +188,6 @@ def test_auto_sampling_keeps_the_target_distribution(target, drafter, monkeypatc
             assert chi2 < 16.3, (ctx, freq[p > 0], e)          # 2 dof: p < 0.0003
             checked += 1
     assert checked >= 4
-    G.Step.cache.clear()                                       # the 1500-row caches
 
 
 def test_auto_adds_no_host_read(target, drafter, monkeypatch):
@@ -206,12 +207,13 @@ def test_auto_adds_no_host_read(target, drafter, monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, spy)
     script(monkeypatch, SCRIPT)
     kinds, catch_ups = spy_steps(monkeypatch)
-    G.Step.cache.clear()
+    kept = runner.Steps()
     for mode in ("eager", "static"):
-        G.generate(target, PROMPT, 10, drafter=drafter, budget="auto", max_seq_len=160, mode=mode)   # the controller
+        G.generate(target, PROMPT, 10, drafter=drafter, budget="auto", max_seq_len=160, mode=mode,
+                   steps=kept)                                                          # the controller
         syncs.clear(), reads.clear(), kinds.clear(), catch_ups.clear()
         st = G.Stats()
-        G.generate(target, PROMPT, 60, drafter=drafter, budget="auto", max_seq_len=160, stats=st, mode=mode)
+        G.generate(target, PROMPT, 60, drafter=drafter, budget="auto", max_seq_len=160, stats=st, mode=mode, steps=kept)
         steps = sum(st.budgets.values())
         assert catch_ups and set(st.budgets) == {0, G.AUTO_BUDGET}
         per_step = sum(k * (4 if b else 1) for b, k in st.budgets.items()) if mode == "eager" else steps

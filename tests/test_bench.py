@@ -14,7 +14,7 @@ import draft as Dr
 import generate as G
 import model as M
 import tiny
-import verify as V
+import verify
 
 torch.set_default_dtype(torch.float32)
 
@@ -313,10 +313,10 @@ def last_logits(model, ids) -> torch.Tensor:
 def test_oracle_tree_is_the_best_prefix_closed_set(target):
     """Depth 2, budget 6: the tree's path probabilities are the 6 best of all paths (brute force), in order."""
     ctx = [5, 17, 42, 8]
-    p1 = V.sampling_probs(last_logits(target, ctx), 1.0)                                  # [V]
+    p1 = verify.sampling_probs(last_logits(target, ctx), 1.0)                                  # [V]
     paths = {(a,): p1[a].item() for a in range(len(p1))}
     for a in p1.topk(6).indices.tolist():       # only a top-6 first token can lead a top-6 depth-2 path
-        p2 = V.sampling_probs(last_logits(target, ctx + [a]), 1.0)
+        p2 = verify.sampling_probs(last_logits(target, ctx + [a]), 1.0)
         paths.update({(a, b): paths[(a,)] * p2[b].item() for b in range(len(p2))})
     best = sorted(paths.values(), reverse=True)[:6]
     parent, token, prob, logits = bench.oracle_tree(target, ctx, 6, 2, 1.0)
@@ -342,7 +342,7 @@ def test_bound_budget_one_is_one_plus_max_prob(target):
     """Temperature 1, budget 1: the one node is the argmax, so E[accept] = 1 + max p (exactly, per step); the
     sampled accepts average to their expectations (budget 1 and 4)."""
     ctx = [7, 7, 2, 9]
-    probs = V.sampling_probs(last_logits(target, ctx), 1.0)                               # [V]
+    probs = verify.sampling_probs(last_logits(target, ctx), 1.0)                               # [V]
     parent, token, prob, _ = bench.oracle_tree(target, ctx, 1, 7, 1.0)
     assert parent == [-1, 0] and token[1] == probs.argmax().item() and prob[1] == pytest.approx(probs.max().item())
     for budget in (1, 4):

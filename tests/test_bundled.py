@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import checkpoint as C
-import draft as D
+import draft as dflash
 import generate as G
 import model as M
 from tokenizer import Tokenizer
@@ -30,7 +30,7 @@ def test_bundled_pair_takes_the_k26_path():
     assert moe.experts.w13_packed.dtype == torch.int32 and not hasattr(moe.experts, "w13")   # never dequantized
     tok = Tokenizer.from_dir(ckpt)
     assert tok.vocab_size == args.vocab_size and tok.num_base_tokens + 256 == tok.vocab_size
-    drafter = D.load_drafter(draft, target.args, torch.device("cpu"), torch.float32)
+    drafter = dflash.load_drafter(draft, target.args, torch.device("cpu"), torch.float32)
     prompt = tok.encode("def read_config(path):\n    \"\"\"Read a JSON config file.\"\"\"\n    with open(path) as f:\n")
     ar = G.generate(target, prompt, 40, max_seq_len=160)
     st = G.Stats()
@@ -45,7 +45,7 @@ def test_bundled_pair_acceptance_floor():
     prompt, CPU fp32, budget 8: the tree's and the chain's mean accept length stay above floors a little under
     what they measure (5.4 and 5.7; the context rows reversed give 2.9 and 2.3)."""
     target = C.load_model(G.BUNDLED_TARGET, torch.device("cpu"), torch.float32, progress=False)
-    drafter = D.load_drafter(G.BUNDLED_DRAFT, target.args, torch.device("cpu"), torch.float32)
+    drafter = dflash.load_drafter(G.BUNDLED_DRAFT, target.args, torch.device("cpu"), torch.float32)
     tok = Tokenizer.from_dir(G.BUNDLED_TARGET)
     prompts = json.load(open(os.path.join(G.HERE, "bench_prompts.json")))
     prompt = tok.encode(next(p["text"] for p in prompts["prompts"] if p["id"] == FLOOR_PROMPT))

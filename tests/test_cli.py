@@ -14,11 +14,11 @@ import torch
 
 import checkpoint as C
 import cli
-import draft as D
+import draft as dflash
 import generate as G
 import model as M
 import tiny
-import tree as T
+import tree as ddtree
 from tokenizer import Tokenizer
 
 VOCAB = 512     # 256 byte tokens + 256 special ids, as the real K2.6 layout (163584 + 256)
@@ -114,7 +114,7 @@ def test_checkpoint_errors(ckpt, tmp_path, capsys):
     assert one_line_error(code, err, "config.json") and "not valid JSON" in err
     # a drafter built for another target: rejected before any compute, naming the field
     other = tmp_path / "bad_draft"
-    cfg = D.tiny_draft_config(M.ModelArgs.from_config(tiny.text_config(vocab_size=VOCAB)))
+    cfg = dflash.tiny_draft_config(M.ModelArgs.from_config(tiny.text_config(vocab_size=VOCAB)))
     cfg["dflash_config"]["target_layer_ids"] = [0, 7]
     other.mkdir()
     (other / "config.json").write_text(json.dumps(cfg))
@@ -201,8 +201,8 @@ def test_show_tree(ckpt, capsys):
     """The legend once; then per step its tree followed by the tokens it committed, never streamed text."""
     code, out, _ = run(capsys, "--ckpt", str(ckpt), "--draft", str(ckpt / "draft"), "--prompt-ids", "1,2,3",
                        "--budget", "4", "--max-new-tokens", "6", "--show-tree", "--quiet")
-    assert code == 0 and out.count(T.LEGEND) == 1
-    body = out.split(T.LEGEND)[1].split("\n[6 tokens")[0]
+    assert code == 0 and out.count(ddtree.LEGEND) == 1
+    body = out.split(ddtree.LEGEND)[1].split("\n[6 tokens")[0]
     lines = [line for line in body.splitlines() if line.strip()]
     kinds = ["tree" if re.match(r"[* ] .*\[\d+\] |  bonus ", line) else "committed" if line.startswith("committed: ")
              else line for line in lines]
@@ -303,8 +303,9 @@ def test_interactive_eof_ends(monkeypatch):
 def test_torchrun_drafter_error_once(ckpt, tmp_path):
     """2 ranks (gloo) and a drafter whose 3 kv heads don't split in 2: the error once, from rank 0, and no
     torchrun traceback."""
-    cfg = D.tiny_draft_config(M.ModelArgs.from_config(str(ckpt)), num_attention_heads=6, num_key_value_heads=3)
-    D.write_drafter(str(tmp_path / "odd"), D.DFlashDrafter(D.DraftArgs.from_config(cfg)).state_dict(), cfg)
+    cfg = dflash.tiny_draft_config(M.ModelArgs.from_config(str(ckpt)), num_attention_heads=6, num_key_value_heads=3)
+    odd = dflash.DFlashDrafter(dflash.DraftArgs.from_config(cfg))
+    dflash.write_drafter(str(tmp_path / "odd"), odd.state_dict(), cfg)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "generate.py", "--ckpt", str(ckpt), "--draft", str(tmp_path / "odd"), "--prompt-ids", "1,2",
                         "--device", "cpu", "--quiet"], cwd=ROOT, env=CPU_ENV, capture_output=True, text=True,

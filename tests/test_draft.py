@@ -126,10 +126,10 @@ def test_incremental_rounds_match_reference(tmp_path, target, n_shards):
     ctx_len = 0
     for r, n_new in enumerate([9, 3, 1, 4]):           # round 1 = prompt, then accepted-path lengths
         blk = randn(B, bs, D, seed=10 + r)
-        got = inc(blk, feats[:, ctx_len:ctx_len + n_new], *lens(B, ctx_len, n_new))
+        got = inc.cached_forward(blk, feats[:, ctx_len:ctx_len + n_new], *lens(B, ctx_len, n_new))
         ref = ref_drafter(W, cfg, blk, feats[:, :ctx_len + n_new])
         fresh = loaded(tmp_path, target.args)          # fresh cache, all context features at once
-        once = fresh(blk, feats[:, :ctx_len + n_new], *lens(B, 0, ctx_len + n_new))
+        once = fresh.cached_forward(blk, feats[:, :ctx_len + n_new], *lens(B, 0, ctx_len + n_new))
         assert got.shape == (B, bs, D)
         assert err(got, ref) <= TOL, f"round {r}: drafter vs equations {err(got, ref):.2e}"
         assert err(got, once) <= TOL, f"round {r}: incremental vs recompute {err(got, once):.2e}"
@@ -206,7 +206,7 @@ def test_attention_bias_matches_equations(tmp_path, target):
     d = loaded(tmp_path, target.args)
     at = d.layers[0].self_attn
     assert torch.equal(at.qkv_proj.bias, torch.cat([W[f"layers.0.self_attn.{n}_proj.bias"] for n in "qkv"]))
-    got = d(blk, feats, *lens(B, 0, 12))
+    got = d.cached_forward(blk, feats, *lens(B, 0, 12))
     ref = ref_drafter(W, cfg, blk, feats)
     assert err(got, ref) <= TOL, f"drafter with biases vs equations {err(got, ref):.2e}"
     no_bias = {k: (torch.zeros_like(v) if k.endswith("_proj.bias") else v) for k, v in W.items()}
@@ -221,9 +221,9 @@ def test_per_row_ctx_len_and_stale_slots(tmp_path, target):
     B, D, bs = 2, cfg["hidden_size"], cfg["block_size"]
     feats = randn(B, 7, 2 * D, seed=3)
     new = randn(B, 2, 2 * D, seed=4)
-    d(randn(B, bs, D, seed=5), feats, *lens(B, 0, 7))
+    d.cached_forward(randn(B, bs, D, seed=5), feats, *lens(B, 0, 7))
     blk = randn(B, bs, D, seed=6)
-    got = d(blk, new, torch.tensor([5, 7]), torch.tensor([2, 2]))
+    got = d.cached_forward(blk, new, torch.tensor([5, 7]), torch.tensor([2, 2]))
     ref0 = ref_drafter(W, cfg, blk[:1], torch.cat([feats[:1, :5], new[:1]], 1))
     ref1 = ref_drafter(W, cfg, blk[1:], torch.cat([feats[1:], new[1:]], 1))
     assert err(got[0], ref0[0]) <= TOL and err(got[1], ref1[0]) <= TOL
@@ -242,7 +242,7 @@ def test_gpu_kernel_path_matches_equations(tmp_path, target, dtype, tol, monkeyp
     d = Dr.load_drafter(str(tmp_path), target.args, device="cuda", dtype=dtype)
     d.setup_cache(B, 64)
     feats = randn(B, 20, n_taps * D, seed=2)
-    d(randn(B, bs, D, seed=3).to("cuda", dtype), feats[:, :9].to("cuda", dtype),
+    d.cached_forward(randn(B, bs, D, seed=3).to("cuda", dtype), feats[:, :9].to("cuda", dtype),
       *(t.cuda() for t in lens(B, 0, 9)))
     ctx = [9, 9]
     for r, n_valid in enumerate([[3, 1], [4, 2], [1, 4]]):
@@ -250,7 +250,7 @@ def test_gpu_kernel_path_matches_equations(tmp_path, target, dtype, tol, monkeyp
         for b in range(B):
             padded[b, :n_valid[b]] = feats[b, ctx[b]:ctx[b] + n_valid[b]]
         blk = randn(B, bs, D, seed=10 + r)
-        got = d(blk.to("cuda", dtype), padded.to("cuda", dtype), torch.tensor(ctx, device="cuda"),
+        got = d.cached_forward(blk.to("cuda", dtype), padded.to("cuda", dtype), torch.tensor(ctx, device="cuda"),
                 n_valid=torch.tensor(n_valid, device="cuda")).float().cpu()
         for b in range(B):
             ref = ref_drafter(W, cfg, blk[b:b + 1], feats[b:b + 1, :ctx[b] + n_valid[b]])[0]
@@ -280,10 +280,10 @@ def test_block_is_non_causal(tmp_path, target):
     d = loaded(tmp_path, target.args)
     D, bs = cfg["hidden_size"], cfg["block_size"]
     feats, blk = randn(1, 5, 2 * D, seed=8), randn(1, bs, D, seed=9)
-    a = d(blk, feats, *lens(1, 0, 5))
+    a = d.cached_forward(blk, feats, *lens(1, 0, 5))
     blk2 = blk.clone()
     blk2[:, -1] += 1.0                                   # change the LAST block token only
-    b = d(blk2, feats[:, :0], *lens(1, 5, 0))            # same cached context, no new rows
+    b = d.cached_forward(blk2, feats[:, :0], *lens(1, 5, 0))            # same cached context, no new rows
     assert err(a[:, 0], b[:, 0]) > 1e-3                  # position 0 sees position bs-1
 
 
@@ -414,7 +414,7 @@ def test_cache_overflow_and_setup_required(tmp_path, target):
     d = Dr.load_drafter(str(tmp_path), target.args)
     blk, feats = torch.zeros(1, 4, 64), torch.zeros(1, 3, 128)
     with pytest.raises(RuntimeError, match="setup_cache"):
-        d(blk, feats, *lens(1, 0, 3))
+        d.cached_forward(blk, feats, *lens(1, 0, 3))
     with pytest.raises(RuntimeError, match="setup_cache"):
         d.append_context(feats, 0)
     d.setup_cache(1, 8)

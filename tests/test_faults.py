@@ -22,7 +22,7 @@ import torch
 import bench
 import checkpoint as C
 import cli
-import draft as D
+import draft as dflash
 import generate as G
 import model as M
 import tiny
@@ -245,15 +245,15 @@ DRAFT_CASES = [
 
 @pytest.mark.parametrize("field,value,words", DRAFT_CASES, ids=[f"{f}={v!r}" for f, v, _ in DRAFT_CASES])
 def test_bad_drafter_config_names_file_and_field(tmp_path, field, value, words):
-    cfg = D.tiny_draft_config(M.ModelArgs.from_config(tiny.text_config()))
-    assert words in config_error(tmp_path, cfg, field, value, D.DraftArgs.from_config)
+    cfg = dflash.tiny_draft_config(M.ModelArgs.from_config(tiny.text_config()))
+    assert words in config_error(tmp_path, cfg, field, value, dflash.DraftArgs.from_config)
 
 
 def test_drafter_block_size_must_fit_the_target():
     target = M.ModelArgs.from_config(tiny.text_config(max_position_embeddings=16))
-    d = D.DraftArgs.from_config(D.tiny_draft_config(target, block_size=32))
+    d = dflash.DraftArgs.from_config(dflash.tiny_draft_config(target, block_size=32))
     with pytest.raises(ValueError, match="block_size = 32 is more than the target's max_position_embeddings = 16"):
-        D.check_compatible(d, target)
+        dflash.check_compatible(d, target)
 
 
 def test_huge_drafter_block_size_refused_before_loading(ckpt, tmp_path, capsys, monkeypatch):
@@ -892,7 +892,7 @@ def test_written_files_get_the_umask_permissions(ckpt, tmp_path):
     cfg = json.loads((ckpt / "draft" / "config.json").read_text())
     old = os.umask(0o022)
     try:
-        D.write_drafter(str(tmp_path / "d"), D.DFlashDrafter(D.DraftArgs.from_config(cfg)), cfg)
+        dflash.write_drafter(str(tmp_path / "d"), dflash.DFlashDrafter(dflash.DraftArgs.from_config(cfg)), cfg)
     finally:
         os.umask(old)
     for name in ("model.safetensors", "config.json"):

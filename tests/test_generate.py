@@ -9,9 +9,10 @@ import torch
 import autobudget as A
 import checkpoint as C
 import generate as G
+import runner
 import tiny
-import tree as T
-import verify as V
+import tree as ddtree
+import verify
 
 torch.set_default_dtype(torch.float32)
 
@@ -130,25 +131,25 @@ def test_sampling_distribution_matches_target():
     V_, N_rows = 5, 40000
     g = torch.Generator().manual_seed(3)
     draft = torch.randn(1, 3, V_, generator=g)
-    tr = T.build_tree_batched(draft.expand(N_rows, -1, -1), torch.zeros(N_rows, dtype=torch.long), 6)
+    tr = ddtree.build_tree_batched(draft.expand(N_rows, -1, -1), torch.zeros(N_rows, dtype=torch.long), 6)
     p1 = torch.randn(V_, generator=g).softmax(-1)                     # p(x1 | root)
     p2 = torch.randn(V_, V_, generator=g).softmax(-1)                 # p(x2 | x1)
     # the target's logits at each node depend only on the node's own token (depth >= 1) or the root
     node_tok = tr.tokens
     logits = torch.where((tr.depths == 0).unsqueeze(-1), p1.log().expand(N_rows, tr.tokens.shape[1], V_),
                          p2.log()[node_tok])
-    targets = V.sample(logits, temperature=1.0, generator=torch.Generator().manual_seed(5))
-    accepted, accept_len, bonus = V.accept(tr, targets)
+    targets = verify.sample(logits, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    accepted, path_len, bonus = verify.accept(tr, targets)
     path_tok = tr.tokens.gather(1, accepted)
-    x1 = torch.where(accept_len >= 2, path_tok[:, 1], bonus)
+    x1 = torch.where(path_len >= 2, path_tok[:, 1], bonus)
     freq = torch.bincount(x1, minlength=V_).float() / N_rows
     chi2 = (((freq - p1) ** 2) / p1).sum() * N_rows
     assert chi2 < 20.5, (freq, p1)        # chi-square, 4 dof: p < 0.0005
     for a in range(V_):
-        rows = (accept_len >= 2) & (x1 == a)
+        rows = (path_len >= 2) & (x1 == a)
         if rows.sum() < 2000:
             continue
-        x2 = torch.where(accept_len[rows] >= 3, path_tok[rows, 2], bonus[rows])
+        x2 = torch.where(path_len[rows] >= 3, path_tok[rows, 2], bonus[rows])
         f2 = torch.bincount(x2, minlength=V_).float() / rows.sum()
         chi2 = (((f2 - p2[a]) ** 2) / p2[a]).sum() * rows.sum()
         assert chi2 < 20.5, (a, f2, p2[a])
@@ -156,8 +157,8 @@ def test_sampling_distribution_matches_target():
 
 @pytest.fixture(scope="module")
 def real_drafter(target):
-    import draft as D
-    d = D.DFlashDrafter(D.DraftArgs.from_config(D.tiny_draft_config(target.args)))
+    import draft as dflash
+    d = dflash.DFlashDrafter(dflash.DraftArgs.from_config(dflash.tiny_draft_config(target.args)))
     tiny.randomize_(d, seed=5, std=0.3)
     return d
 
@@ -234,26 +235,30 @@ def test_on_step_reads_each_steps_tree_and_path(target, real_drafter):
     assert spelled[:n] == out[:n] and n >= len(out) - 1
 
 
-def test_steps_are_reused_then_cleared(target, real_drafter):
-    """One Step per shape and setting, reused by the next call with the same ones; clearing Step.cache drops them
-    all (and a cleared cache still decodes the same tokens)."""
-    G.Step.cache.clear()
-    steps = lambda: list(G.Step.cache.values())
+def test_steps_are_kept_by_their_owner(target, real_drafter):
+    """One Step per shape and setting, kept in the caller's runner.Steps and reused by the next call with the same
+    ones; a new Steps starts empty (and still decodes the same tokens). Without one, the model keeps its own."""
+    kept = runner.Steps()
+    steps = lambda: list(kept.values())
     kw = dict(drafter=real_drafter, budget=4, max_seq_len=96)
-    a = G.generate(target, [1, 2, 3], 8, **kw)
+    a = G.generate(target, [1, 2, 3], 8, **kw, steps=kept)
     (first,) = steps()
-    assert G.generate(target, [1, 2, 3], 8, **kw) == a and steps() == [first]
-    G.generate(target, [1, 2, 3], 8, **dict(kw, budget=2))
+    assert G.generate(target, [1, 2, 3], 8, **kw, steps=kept) == a and steps() == [first]
+    G.generate(target, [1, 2, 3], 8, **dict(kw, budget=2), steps=kept)
     assert len(steps()) == 2 and steps()[0] is first
-    G.Step.cache.clear()
-    assert G.generate(target, [1, 2, 3], 8, **kw) == a and steps()[0] is not first
+    kept = runner.Steps()
+    assert G.generate(target, [1, 2, 3], 8, **kw, steps=kept) == a and steps()[0] is not first
+    own = runner.steps_of(target)
+    assert G.generate(target, [1, 2, 3], 8, **kw) == a and first not in own.values()
+    kept_before = own.values()
+    assert G.generate(target, [1, 2, 3], 8, **kw) == a and own.values() == kept_before
 
 
 def test_no_host_sync_in_step_functions():
     import inspect
-    import verify as V
-    for fn in (G.Step.spec, G.Step.ar, G.Step._commit, A.AutoStep.catch_up, V.verify_inputs, V.sample, V.accept,
-               V.commit_kv, T.build_tree_batched, T.chain_tree_batched):
+    import verify
+    for fn in (G.Step.tree_step, G.Step.token_step, G.Step._commit, A.AutoStep.catch_up, verify.verify_inputs,
+               verify.sample, verify.accept, verify.commit_kv, ddtree.build_tree_batched, ddtree.chain_tree_batched):
         src = inspect.getsource(fn)
         for bad in (".item()", ".tolist()", ".cpu()", "int(", ".numpy()"):
             assert bad not in src, (fn.__qualname__, bad)
@@ -326,18 +331,18 @@ def test_sampling_distribution_survives_a_hostile_drafter():
     marginals = torch.stack([p1, p1 @ p2, p1 @ p2 @ p2]).log()        # [3, V] the drafter's, right per depth
     draft = tiny.corrupt_logits(marginals.expand(N_rows, 3, V_))      # [N_rows, 3, V]
     assert (~draft.isfinite()).any(-1).float().mean() > 0.15                # rows holding NaN or inf
-    tr = T.build_tree_batched(draft, torch.zeros(N_rows, dtype=torch.long), 6)
+    tr = ddtree.build_tree_batched(draft, torch.zeros(N_rows, dtype=torch.long), 6)
     assert (tr.tokens[:, 0] == 0).all() and (tr.parents[:, 0] == -1).all() and (tr.depths[:, 0] == 0).all()
     assert not tr.scores.isnan().any()
     logits = torch.where((tr.depths == 0).unsqueeze(-1), p1.log().expand(N_rows, tr.tokens.shape[1], V_),
                          p2.log()[tr.tokens])
-    targets = V.sample(logits, temperature=1.0, generator=torch.Generator().manual_seed(5))
-    accepted, accept_len, bonus = V.accept(tr, targets)
-    assert (accept_len >= 3).float().mean() > 0.1                      # deep paths through the broken drafts
+    targets = verify.sample(logits, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    accepted, path_len, bonus = verify.accept(tr, targets)
+    assert (path_len >= 3).float().mean() > 0.1                      # deep paths through the broken drafts
     path_tok = tr.tokens.gather(1, accepted)
     for d in (1, 2, 3):                                                # x_d, for the rows whose x_d-1 was a node
-        rows = accept_len >= d
-        x = torch.where(accept_len[rows] > d, path_tok[rows, d], bonus[rows])
+        rows = path_len >= d
+        x = torch.where(path_len[rows] > d, path_tok[rows, d], bonus[rows])
         prev = path_tok[rows, d - 1]
         for a in range(V_) if d > 1 else [None]:
             sel = torch.ones_like(prev, dtype=torch.bool) if a is None else prev == a
@@ -452,7 +457,7 @@ TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")
 @pytest.mark.skipif(TORCH_VERSION < (2, 13), reason="before torch 2.13 inductor's CPU code ignores "
                     "emulate_precision_casts; test_gpu checks the GPU path, which honours it")
 def test_compiled_bf16_forward_rounds_like_eager():
-    """In bf16 torch.compile must round where eager rounds (generate.COMPILE_OPTIONS): inductor otherwise keeps fused
+    """In bf16 torch.compile must round where eager rounds (runner.COMPILE_OPTIONS): inductor otherwise keeps fused
     intermediates in fp32, a slightly different target, and the bundled drafter, distilled against the eager one,
     drafts worse for it. Bundled target, bf16, a code prompt: the compiled forward's logits match eager's (the bound
     leaves room for another CPU's summation order)."""
@@ -463,7 +468,7 @@ def test_compiled_bf16_forward_rounds_like_eager():
     x = torch.tensor([prompt])                                                   # [1, T]
     with torch.no_grad():
         eager = target(x).logits.float()                                         # [1, T, vocab]
-        compiled = torch.compile(target.forward, dynamic=False, options=G.compile_options())(x).logits.float()
+        compiled = torch.compile(target.forward, dynamic=False, options=runner.compile_options())(x).logits.float()
     rel = ((compiled - eager).abs().max() / eager.abs().max()).item()
     agree = (compiled.argmax(-1) == eager.argmax(-1)).float().mean().item()
     assert rel <= 0.003 and agree >= 0.99, (rel, agree)
@@ -472,9 +477,9 @@ def test_compiled_bf16_forward_rounds_like_eager():
 def test_compile_options_this_torch_lacks_are_dropped_with_a_warning(monkeypatch):
     """torch.compile raises on an option its inductor does not know (torch >= 2.4 is allowed): such options are left
     out, with a warning that names them, instead of breaking --compile."""
-    monkeypatch.setattr(G, "COMPILE_OPTIONS", {"emulate_precision_casts": True, "no_such_inductor_option": 1})
+    monkeypatch.setattr(runner, "COMPILE_OPTIONS", {"emulate_precision_casts": True, "no_such_inductor_option": 1})
     with pytest.warns(UserWarning, match="no_such_inductor_option"):
-        assert G.compile_options() == {"emulate_precision_casts": True}
+        assert runner.compile_options() == {"emulate_precision_casts": True}
 
 
 def test_cuda_graph_refuses_reference_kernels(target, monkeypatch):

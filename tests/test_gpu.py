@@ -9,10 +9,11 @@ import torch
 
 import autobudget as A
 import checkpoint as C
-import draft as D
+import draft as dflash
 import generate as G
 import kernels
 import model as M
+import runner
 import tiny
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -26,7 +27,7 @@ def _pair(tmp_path, dtype):
     ref = tiny.write_k26(tmp_path, tiny.text_config(**CFG), seed=3)
     target = C.build(lambda: M.Transformer(M.ModelArgs.from_config(tmp_path)), "cuda", dtype)
     C.load_checkpoint(target, str(tmp_path))
-    d = C.build(lambda: D.DFlashDrafter(D.DraftArgs.from_config(D.tiny_draft_config(ref.args, head_dim=32))),
+    d = C.build(lambda: dflash.DFlashDrafter(dflash.DraftArgs.from_config(dflash.tiny_draft_config(ref.args, head_dim=32))),
                 "cpu", dtype).cuda()   # head_dim 32: its kernels' sizes
     tiny.randomize_(d, seed=5, std=0.3)
     return target.eval(), d.to(dtype)
@@ -101,13 +102,13 @@ def test_compiled_graph_equals_eager(tmp_path, budget):
 
 def test_compiled_bf16_keeps_acceptance():
     """graph+compile in bf16 accepts as many tokens a step as graph does (bundled pair, two code prompts, budget 8):
-    generate.COMPILE_OPTIONS makes inductor round intermediates where eager rounds, else the compiled step commits
+    runner.COMPILE_OPTIONS makes inductor round intermediates where eager rounds, else the compiled step commits
     the same tokens but drafts worse. The two loops run different glue kernels (Triton in graph, inductor's in
     graph+compile), so their bf16 streams may still part at a near-tie; hence the mean, within 5%."""
     import bench
     dev = torch.device("cuda")
     target = C.load_model(G.BUNDLED_TARGET, dev, torch.bfloat16, progress=False)
-    drafter = D.load_drafter(G.BUNDLED_DRAFT, target.args, dev, torch.bfloat16)
+    drafter = dflash.load_drafter(G.BUNDLED_DRAFT, target.args, dev, torch.bfloat16)
     prompts = bench.encode_prompts(bench.load_prompts(bench.PROMPTS_FILE, 2), G.BUNDLED_TARGET,
                                    target.args.vocab_size, False)[0]
     accept = {}
@@ -146,24 +147,25 @@ def test_auto_graph_equals_eager_and_autoregressive(tmp_path, monkeypatch):
     prompt = list(range(3, 40))
     ar = G.generate(target, prompt, 120, max_seq_len=320)
     for mode in ("eager", "graph"):
-        G.Step.cache.clear()
-        assert G.generate(target, prompt, 120, drafter=drafter, budget="auto", max_seq_len=320, mode=mode) == ar
-        (step,) = G.Step.cache.values()
+        kept = runner.Steps()
+        assert G.generate(target, prompt, 120, drafter=drafter, budget="auto", max_seq_len=320, mode=mode,
+                          steps=kept) == ar
+        (step,) = kept.values()
         assert step.auto is not None
-    assert {fn.__name__ for fn in step.graphs} == {"spec", "ar", "catch_up"}
+    assert {fn.__name__ for fn in step.runner.graphs} == {"tree_step", "token_step", "catch_up"}
     T, F = True, False
     runs = {}
     for mode in ("eager", "graph"):
         picks = itertools.cycle([F] * 40 + [T, T] + [F] * 4 + [T] + [F] * 9 + [T, F, F, T, T])   # the same in both
         monkeypatch.setattr(A.AutoBudget, "tree", lambda self: next(picks))
-        G.Step.cache.clear()
+        kept = runner.Steps()
         st = G.Stats()
         runs[mode] = G.generate(target, prompt, 120, drafter=drafter, budget="auto", max_seq_len=320, mode=mode,
-                                stats=st), st.accept_lens
+                                stats=st, steps=kept), st.accept_lens
         assert set(st.budgets) == {0, G.AUTO_BUDGET}
     assert runs["graph"] == runs["eager"] and runs["graph"][0] == ar
-    (step,) = G.Step.cache.values()
-    assert {fn.__name__ for fn in step.graphs} == {"spec", "ar", "catch_up"}
+    (step,) = kept.values()
+    assert {fn.__name__ for fn in step.runner.graphs} == {"tree_step", "token_step", "catch_up"}
 
 
 @pytest.mark.parametrize("kw", [dict(budget=8), dict(budget=16), dict(chain=True), dict(budget="auto")])
@@ -184,14 +186,14 @@ def test_hostile_drafter_graph_equals_autoregressive(tmp_path, monkeypatch, kw):
     ref = torch.tensor([s + [0] * (max(map(len, seqs)) - len(s)) for s in seqs], device="cuda")   # the oracle
     broken = []
     on_step = lambda b, view, new: broken.append(bool((~view.draft_logits[b].isfinite()).any()))
-    G.Step.cache.clear()
+    kept = runner.Steps()
     out = G.generate(target, prompts[0], 80, drafter=tiny.HostileDrafter(drafter, ref[:1]), max_seq_len=320,
-                     mode="graph", on_step=on_step, **kw)
+                     mode="graph", on_step=on_step, **kw, steps=kept)
     assert out == ars[0]
     assert sum(broken) >= len(broken) // 3 and len(broken) >= 10, broken
     assert G.generate_batch(target, prompts, 80, drafter=tiny.HostileDrafter(drafter, ref), max_seq_len=320,
-                            mode="graph", **kw) == batch_ar
-    assert all(s.graphs for s in G.Step.cache.values())                  # every step ran as a replay
+                            mode="graph", **kw, steps=kept) == batch_ar
+    assert all(s.runner.graphs for s in kept.values())                  # every step ran as a replay
 
 
 def test_no_token_stops_graph_mode(tmp_path, monkeypatch):
@@ -205,9 +207,9 @@ def test_no_token_stops_graph_mode(tmp_path, monkeypatch):
     tiny.nan_logits_where(target, monkeypatch, lambda tokens, pos: tokens == ar[k])
     for kw in (dict(budget=0), dict(drafter=drafter, budget=8), dict(drafter=drafter, chain=True)):
         seen = []
-        G.Step.cache.clear()
+        kept = runner.Steps()
         with pytest.raises(RuntimeError, match=rf"^decoding step \d+: the target's logits after position "
                                                rf"{len(prompt) + k} give no token"):
-            G.generate(target, prompt, 40, max_seq_len=320, mode="graph", on_tokens=seen.extend, **kw)
+            G.generate(target, prompt, 40, max_seq_len=320, mode="graph", on_tokens=seen.extend, **kw, steps=kept)
         assert seen == ar[:k + 1], kw
-        assert all(s.graphs for s in G.Step.cache.values())
+        assert all(s.runner.graphs for s in kept.values())

@@ -29,8 +29,8 @@ import draft as Dr  # noqa: E402
 import kernels  # noqa: E402
 import model as M  # noqa: E402
 import tiny  # noqa: E402
-import tree as T  # noqa: E402
-import verify as V  # noqa: E402
+import tree as ddtree  # noqa: E402
+import verify  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if torch.cuda.is_available() and kernels.HAS_TRITON and not INTERPRET:
@@ -78,7 +78,7 @@ def launch(name, *args, **kw):
 # ----------------------------------------------------------------------------------------------------------
 # The switch
 
-STAGES = (M, Dr, T, V)
+STAGES = (M, Dr, ddtree, verify)
 
 
 def fast_ops() -> dict:
@@ -118,9 +118,9 @@ def test_host_paths_read_only_the_visible_slots():
     q_lat, q_pe = torch.randn(B, T, H, R), torch.randn(B, T, H, P)
     mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
     with torch.no_grad():
-        got = M.mla_tree_attention(q_lat, q_pe, cache, prefix, mask, 0.3)
-        want = M.mla_tree_attention.ref(q_lat, q_pe, cache.nan_to_num(), prefix, mask, 0.3)
-    assert_close(got, want, 1e-5, "mla_tree_attention, visible slots")
+        got = M.mla_attention(q_lat, q_pe, cache, prefix, mask, 0.3)
+        want = M.mla_attention.ref(q_lat, q_pe, cache.nan_to_num(), prefix, mask, 0.3)
+    assert_close(got, want, 1e-5, "mla_attention, visible slots")
     KV, hd = 1, 16
     q, k, v = torch.randn(B, T, H, hd), torch.randn(B, S, KV, hd), torch.randn(B, S, KV, hd)
     k[:, 25:], v[:, 25:] = float("nan"), float("nan")
@@ -173,8 +173,8 @@ def fits_cases():
     """(name, args that fit, the same with one thing the kernel cannot take), small CPU tensors."""
     f32, f16, i64 = torch.float32, torch.float16, torch.int64
     r = lambda *s, dtype=f32: torch.zeros(*s, dtype=dtype)
-    tree = T.Tree(*T.ddtree_search.ref(r(1, 3, 4), r(1, 3, 4, dtype=i64), r(1, dtype=i64), 4))
-    big_tree = T.Tree(*T.ddtree_search.ref(r(1, 3, 4), r(1, 3, 4, dtype=i64), r(1, dtype=i64), 64))   # 65 nodes
+    tree = ddtree.Tree(*ddtree.ddtree_search.ref(r(1, 3, 4), r(1, 3, 4, dtype=i64), r(1, dtype=i64), 4))
+    big_tree = ddtree.Tree(*ddtree.ddtree_search.ref(r(1, 3, 4), r(1, 3, 4, dtype=i64), r(1, dtype=i64), 64))  # 65 nodes
     b = torch.bool
     attn = lambda T_, R: (r(1, T_, 2, R), r(1, T_, 2, 16), r(1, 80, R + 16), r(1, dtype=i64), r(1, T_, T_, dtype=b), 0.1)
     moe = lambda gs: (r(2, 64), r(2, 2, dtype=i64), r(2, 2), r(4, 64, 8, dtype=torch.int32), r(4, 64, 64 // gs),
@@ -189,9 +189,9 @@ def fits_cases():
         ("silu_mul", (r(2, 8), r(2, 8)), (r(2, 8), r(2, 4))),
         ("mla_latent_to_cache", (r(1, 2, 48), r(32), 1e-6, r(1, 2, 16), r(1, 2, 16), r(2, 9, 48), r(1, 2, dtype=i64)),
          (r(1, 2, 40), r(24), 1e-6, r(1, 2, 16), r(1, 2, 16), r(2, 9, 40), r(1, 2, dtype=i64))),
-        ("mla_tree_attention", attn(64, 32), attn(65, 32)),                     # 65 > one mask word in the kernel
-        ("mla_tree_attention", attn(9, 32), attn(9, 24)),                                  # R not a power of two
-        ("mla_tree_attention", attn(9, 32), attn(9, 32)[:4] + (r(1, 9, 9, dtype=b).transpose(1, 2), 0.1)),  # strided
+        ("mla_attention", attn(64, 32), attn(65, 32)),                     # 65 > one mask word in the kernel
+        ("mla_attention", attn(9, 32), attn(9, 24)),                                  # R not a power of two
+        ("mla_attention", attn(9, 32), attn(9, 32)[:4] + (r(1, 9, 9, dtype=b).transpose(1, 2), 0.1)),  # strided
         ("router_topk", (r(2, 16), r(8, 16), r(8), 2, True, 1.0), (r(2, 16), r(8, 16), r(8), 2, True, 1.0, 2, 1)),
         ("int4_experts", moe(32), moe(16)[:-1] + (64,)),                                   # group 64 > I = 32
         ("MoE.local", (tiny_moe(), r(2, 64)), (tiny_moe(n_group=2), r(2, 64))),          # group-limited routing
@@ -226,7 +226,7 @@ def test_references_run_without_triton():
         "assert not kernels.HAS_TRITON\n"
         "x = torch.randn(3, 8)\n"
         "assert torch.equal(M.rms_norm(x, torch.ones(8), 1e-6), M.rms_norm.ref(x, torch.ones(8), 1e-6))\n"
-        "o = M.mla_tree_attention(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 5, 32),"
+        "o = M.mla_attention(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 5, 32),"
         " torch.tensor([3]), torch.ones(1, 2, 2, dtype=torch.bool), 0.1)\n"
         "assert o.shape == (1, 2, 1, 16)\n"
     )
@@ -351,7 +351,7 @@ def test_attention_ref_vs_naive(kind):
             for h in range(H):
                 s = scale * (c[b, slots, :R] @ q_lat[b, t, h].double() + c[b, slots, R:] @ q_pe[b, t, h].double())
                 expected[b, t, h] = torch.softmax(s, 0) @ c[b, slots, :R]
-    out = M.mla_tree_attention.ref(q_lat, q_pe, cache, prefix_len, tree_mask, scale)
+    out = M.mla_attention.ref(q_lat, q_pe, cache, prefix_len, tree_mask, scale)
     assert out.dtype == torch.float32
     assert_close(out, expected, 1e-5, f"attention reference {kind}")
 
@@ -609,7 +609,7 @@ ATTN_CASES = [  # T, H, prefixes (B = len), mask kind, tiles: "default" or "smal
 @needs_kernels
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("T_, H, prefixes, kind, tiles", ATTN_CASES)
-def test_mla_tree_attention_kernel(T_, H, prefixes, kind, tiles, dtype, monkeypatch):
+def test_mla_attention_kernel(T_, H, prefixes, kind, tiles, dtype, monkeypatch):
     """Split + merge attention == the reference into a poisoned `out`; the same bits from the mask packed once per
     forward (what model.py passes) and from q_lat as the absorbed-query einsum leaves it (strided, read in place)."""
     monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
@@ -622,16 +622,16 @@ def test_mla_tree_attention_kernel(T_, H, prefixes, kind, tiles, dtype, monkeypa
         monkeypatch.setattr(kernels, "ATTN_SPLITS", dict(kernels.ATTN_SPLITS, max_splits=8, min_split_len=32))
     args = make_attn(len(prefixes), T_, H, 32, 16, prefixes, kind, dtype, KERNEL_DEVICE, seed=T_ + H)
     out = torch.full_like(args[0], float("nan"))
-    assert launch("mla_tree_attention", *args, out=out) is out
-    ref = M.mla_tree_attention.ref(*args)
+    assert launch("mla_attention", *args, out=out) is out
+    ref = M.mla_attention.ref(*args)
     assert_close(out, ref, TOL[dtype], f"attn T={T_} H={H} {prefixes} {kind} {dtype}")
     strided = args[0].permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)                  # [B, T, H, R] view
     assert (H == 1 or not strided.is_contiguous()) and torch.equal(strided, args[0])
-    assert torch.equal(launch("mla_tree_attention", strided, *args[1:]), out)
+    assert torch.equal(launch("mla_attention", strided, *args[1:]), out)
     # a mask shared by the batch (stride 0, as Transformer.forward's causal default) reads like its copy
     shared = args[4][:1].expand_as(args[4])
-    assert torch.equal(launch("mla_tree_attention", *args[:4], shared, args[5]),
-                       launch("mla_tree_attention", *args[:4], shared.contiguous(), args[5]))
+    assert torch.equal(launch("mla_attention", *args[:4], shared, args[5]),
+                       launch("mla_attention", *args[:4], shared.contiguous(), args[5]))
 
 
 @needs_kernels
@@ -751,7 +751,7 @@ def test_rank_topk_kernel(V_, k, kind):
         logp[1] = float("nan")                                           # a whole row: all tie, token order
         assert logp.isnan().any() and logp[0].signbit()[pick[0] > 0.95].all()
     lp, tok = launch("rank_topk", logp, k)
-    lp_ref, tok_ref = T.rank_topk.ref(logp, k)
+    lp_ref, tok_ref = ddtree.rank_topk.ref(logp, k)
     want_lp, want_tok = torch.sort(logp.where(logp.isfinite(), float("-inf")), dim=-1, descending=True, stable=True)
     assert torch.equal(tok, tok_ref) and torch.equal(tok, want_tok[:, :k]), f"{tok}\n{want_tok[:, :k]}"
     assert torch.equal(lp.view(torch.int32), lp_ref.view(torch.int32))
@@ -765,8 +765,8 @@ def check_tree(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, B: int,
     """The kernel's 7 outputs == the reference's, bitwise (scores as int32: -0.0 and -inf padding included)."""
     dev = lambda t: t.to(KERNEL_DEVICE)
     got = launch("ddtree_search", dev(lp), dev(tok), dev(roots), B)
-    want = T.ddtree_search.ref(lp, tok, roots, B)
-    for f, a, b in zip([f.name for f in dataclasses.fields(T.Tree)], got, want):
+    want = ddtree.ddtree_search.ref(lp, tok, roots, B)
+    for f, a, b in zip([f.name for f in dataclasses.fields(ddtree.Tree)], got, want):
         if b is None:
             assert a is None and B + 1 > 64, f"{f} {msg}"
             continue
@@ -806,10 +806,10 @@ def test_ddtree_search_kernel(B):
     for j, L in enumerate([1, 3, 7, 15]):
         n = j + B
         V_, bsz, kind = vocabs[n % len(vocabs)], [1, 3][n % 2], kinds[(n // 2) % len(kinds)]
-        lp, tok = T.rank_tokens(tree_logits(g, bsz, L, V_, kind), min(B, V_))
+        lp, tok = ddtree.rank_tokens(tree_logits(g, bsz, L, V_, kind), min(B, V_))
         check_tree(lp, tok, torch.randint(0, V_, (bsz,), generator=g), B, f"B={B} L={L} V={V_} b={bsz} {kind}")
     for L, V_ in ((1, 64), (7, 5), (15, 1000)):      # a broken drafter's logits: the root stays node 0
-        lp, tok = T.rank_tokens(tree_logits(g, 3, L, V_, "broken"), min(B, V_))
+        lp, tok = ddtree.rank_tokens(tree_logits(g, 3, L, V_, "broken"), min(B, V_))
         check_tree(lp, tok, torch.tensor([4, 0, 1]), B, f"B={B} L={L} V={V_} broken")
 
 
@@ -837,15 +837,15 @@ def test_ddtree_search_exact_ties():
 def test_ddtree_search_vs_heap():
     """Against the paper's heap (tree.build_tree_heap) directly, including (0), (1), (0,0), (1,0) all tied."""
     def kernel_tree(x, root, B):
-        lp, tok = T.rank_tokens(x[None], min(B, x.shape[-1]))
-        return T.Tree(*launch("ddtree_search", lp.to(KERNEL_DEVICE), tok.to(KERNEL_DEVICE),
+        lp, tok = ddtree.rank_tokens(x[None], min(B, x.shape[-1]))
+        return ddtree.Tree(*launch("ddtree_search", lp.to(KERNEL_DEVICE), tok.to(KERNEL_DEVICE),
                               torch.tensor([root], device=KERNEL_DEVICE), B))[0]
     got = kernel_tree(torch.tensor([[0.0, 0.0], [0.0, float("-inf")]]), 5, 4)
     assert got.tokens.tolist() == [5, 0, 1, 0, 0] and got.parents.tolist() == [-1, 0, 0, 1, 2]   # shallower first
     g = torch.Generator().manual_seed(3)
     for L, V_, B in [(4, 6, 20), (16, 3, 64), (1, 1, 5), (7, 40, 1)]:
         x = torch.randn(L, V_, generator=g).mul(1.5).round()
-        got, ref = kernel_tree(x, 1, B), T.build_tree_heap(x, 1, B)
+        got, ref = kernel_tree(x, 1, B), ddtree.build_tree_heap(x, 1, B)
         for f in ["tokens", "parents", "depths", "scores", "valid", "ancestor_mask"]:
             assert torch.equal(getattr(got, f).cpu(), getattr(ref, f)), f"{f} L={L} V={V_} B={B}"
 
@@ -859,8 +859,8 @@ def test_accept_kernel(B):
     g = torch.Generator().manual_seed(B)
     for V_, L, kind in [(1000, 7, "gauss"), (3, 4, "peaked"), (50, 15, "rounded")]:
         bsz = 4
-        lp, tok = T.rank_tokens(tree_logits(g, bsz, L, V_, kind), min(B, V_))
-        tr = T.Tree(*T.ddtree_search.ref(lp, tok, torch.randint(0, V_, (bsz,), generator=g), B))
+        lp, tok = ddtree.rank_tokens(tree_logits(g, bsz, L, V_, kind), min(B, V_))
+        tr = ddtree.Tree(*ddtree.ddtree_search.ref(lp, tok, torch.randint(0, V_, (bsz,), generator=g), B))
         N = B + 1
         target = torch.randint(0, V_, (bsz, N), generator=g)                         # [bsz, N]
         for b in range(bsz - 1):                  # rows 0..2: the target agrees along a path for `stop` nodes
@@ -872,9 +872,9 @@ def test_accept_kernel(B):
             stop = int(torch.randint(0, len(path), (1,), generator=g)) if b else len(path) - 1   # row 0: all of it
             for parent, child in zip(path[:stop], path[1:stop + 1]):
                 target[b, parent] = tr.tokens[b, child]
-        want = V.accept.ref(tr, target)
+        want = verify.accept.ref(tr, target)
         got = launch("accept", tr.to(KERNEL_DEVICE), target.to(KERNEL_DEVICE))
-        for name, a, b in zip(["accepted", "accept_len", "bonus"], got, want):
+        for name, a, b in zip(["accepted", "path_len", "bonus"], got, want):
             assert torch.equal(a.cpu(), b), f"{name} differs, B={B} V={V_} {kind}\n{a}\n{b}"
         assert want[1][0] > 1, "row 0 accepts its whole planted path"
 
@@ -884,7 +884,7 @@ def test_accept_kernel(B):
 def test_commit_kv_kernel(N, C):
     """The commit kernel == verify.commit_kv's reference: a path that moves rows onto slots other rows are still read
     from (node indices strictly increase along a path), contiguous paths (all N nodes; 3), a finished row
-    (accept_len 0), rows longer than one column block; start positions as [B] and as [B, 1]."""
+    (path_len 0), rows longer than one column block; start positions as [B] and as [B, 1]."""
     g = torch.Generator().manual_seed(N)
     B, S = 4, 200
     starts = torch.tensor([3, 50, 0, 120])
@@ -898,7 +898,7 @@ def test_commit_kv_kernel(N, C):
     cache = torch.randn(3, B + 1, S, C, generator=g).to(KERNEL_DEVICE)
     before, want = cache.clone(), cache.clone()
     dev = lambda t: t.to(KERNEL_DEVICE)
-    V.commit_kv.ref(want, dev(starts), dev(acc), dev(lens))
+    verify.commit_kv.ref(want, dev(starts), dev(acc), dev(lens))
     for start in (starts, starts[:, None]):
         got = before.clone()
         launch("commit_kv", got, dev(start), dev(acc), dev(lens))

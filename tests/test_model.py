@@ -167,7 +167,7 @@ def test_hidden_layers_are_layer_outputs():
 CONTRACT = {
     "linear": "x weight", "rms_norm": "x weight eps", "add_rms_norm": "x r weight eps", "rope": "x cos sin interleaved",
     "silu_mul": "g u", "mla_latent_to_cache": "kv weight eps cos sin cache slots",
-    "mla_tree_attention": "q_lat q_pe cache prefix_len tree_mask softmax_scale out",
+    "mla_attention": "q_lat q_pe cache prefix_len tree_mask softmax_scale out",
     "router_topk": "x weight bias top_k norm scale n_group topk_group",
     "int4_experts": "x topk_ids topk_weights w13_packed w13_scale w2_packed w2_scale group_size",
     "MoE.local": "self x",                      # a block part: the MoE's router, experts and shared experts

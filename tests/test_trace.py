@@ -10,7 +10,7 @@ import torch
 
 import checkpoint as C
 import cli
-import draft as D
+import draft as dflash
 import generate as G
 from tokenizer import Tokenizer
 from trace_page import Trace
@@ -64,7 +64,7 @@ class Page(HTMLParser):
 def pair():
     cpu = torch.device("cpu")
     target = C.load_model(G.BUNDLED_TARGET, cpu, torch.float32, progress=False)
-    return target, D.load_drafter(G.BUNDLED_DRAFT, target.args, cpu, torch.float32), \
+    return target, dflash.load_drafter(G.BUNDLED_DRAFT, target.args, cpu, torch.float32), \
         Tokenizer.from_dir(G.BUNDLED_TARGET)
 
 

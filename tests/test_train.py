@@ -20,7 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import draft as D
+import draft as dflash
 import model as M
 import tokenizer as tk
 import train as TR
@@ -135,7 +135,7 @@ def _random_pair(corpus, layers: int, draft_layers: int):
     target, _ = _target(corpus, layers=layers)
     randomize_(target, seed=1)
     dcfg = TR.drafter_config(dict(P, draft_layers=draft_layers), target.args, corpus[3].num_base_tokens)
-    drafter = D.DFlashDrafter(D.DraftArgs.from_config(dcfg))
+    drafter = dflash.DFlashDrafter(dflash.DraftArgs.from_config(dcfg))
     randomize_(drafter, seed=2)
     return target, drafter
 
@@ -154,7 +154,7 @@ def test_drafter_train_forward_equals_inference(corpus):
                 block = torch.full((1, 8), drafter.mask_token_id)
                 block[0, 0] = tokens[b, a]
                 ctx_len, n_valid = torch.tensor([0]), torch.tensor([a])                   # context = positions < a
-                ref = drafter(target.embed_tokens(block), feats[b:b + 1, :a], ctx_len, n_valid)
+                ref = drafter.cached_forward(target.embed_tokens(block), feats[b:b + 1, :a], ctx_len, n_valid)
                 torch.testing.assert_close(h[b, i], ref[0], atol=1e-5, rtol=1e-5)
     # gradients reach the drafter only (the target and its shared embedding / lm_head stay frozen)
     target.requires_grad_(False)
@@ -298,11 +298,11 @@ def test_gpu_preset_fits_tp_kernels_and_size_budget():
     args = M.ModelArgs.from_config(TR.target_config(p, p["bpe_vocab"]))
     for ws in (1, 2, 4, 8):
         M.check_tp_divisibility(args, ws)                           # raises if a TP size cannot split it
-    for n in (args.kv_lora_rank, args.qk_rope_head_dim):            # kernels.mla_tree_attention's rule
+    for n in (args.kv_lora_rank, args.qk_rope_head_dim):            # kernels.mla_attention's rule
         assert n >= 16 and n & (n - 1) == 0
     with torch.device("meta"):
         target = M.Transformer(args)
-        drafter = D.DFlashDrafter(D.DraftArgs.from_config(TR.drafter_config(p, args, p["bpe_vocab"])))
+        drafter = dflash.DFlashDrafter(dflash.DraftArgs.from_config(TR.drafter_config(p, args, p["bpe_vocab"])))
     experts = sum(t.numel() for n, t in target.named_parameters() if ".experts." in n)
     dense = sum(t.numel() for t in target.parameters()) - experts + sum(t.numel() for t in drafter.parameters())
     size = 2 * dense + experts * (0.5 + 2 / TR.GROUP)              # bf16; INT4 + one bf16 scale per group

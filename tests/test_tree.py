@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import tree as T  # noqa: E402
+import tree as ddtree  # noqa: E402
 from tree import (Tree, build_tree, build_tree_batched, build_tree_heap, chain_tree,  # noqa: E402
                   chain_tree_batched, format_tree)
 
@@ -77,7 +77,7 @@ def check_invariants(t: Tree, L: int, B: int) -> None:
 def test_rank_tokens_tie_order():
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 4, (5, 37), generator=g).float()  # [L, V], many ties
-    lp, tok = T.rank_tokens(x, 37)
+    lp, tok = ddtree.rank_tokens(x, 37)
     logp = torch.log_softmax(x, -1)
     for d in range(5):
         want = sorted(range(37), key=lambda v: (-logp[d, v].item(), v))
@@ -93,7 +93,7 @@ def test_ref_matches_bruteforce():
         B = int(torch.randint(1, 12, (1,), generator=g))
         x = random_logits(g, L, V, ["gauss", "ints", "uniform"][trial % 3])
         K = min(B, V)
-        lp, tok = T.rank_tokens(x, K)
+        lp, tok = ddtree.rank_tokens(x, K)
         lp = lp.numpy()
         prefixes = []
         for d in range(1, L + 1):
@@ -135,7 +135,7 @@ def test_worked_example_in_the_search_docstring():
     text says (doctest), and the heap builds the same tree."""
     import doctest
     finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner()
-    (test,) = finder.find(T.ddtree_search.ref, "ddtree_search", globs=vars(T).copy())
+    (test,) = finder.find(ddtree.ddtree_search.ref, "ddtree_search", globs=vars(ddtree).copy())
     runner.run(test)
     assert runner.summarize(verbose=False) == (0, len(test.examples)) and len(test.examples) >= 6
     q = torch.tensor([[.10, .60, .25, .05], [.50, .10, .30, .10], [.80, .10, .05, .05]])
@@ -146,13 +146,13 @@ def test_worked_example_in_the_search_docstring():
 def test_ancestor_mask_is_the_walk_up():
     """The one mask builder: row i marks the nodes on the walk up from i; a batch of parent lists, padding nodes
     (-1) alone in their rows, and the depth bound (fewer steps than the tree is deep leave rows short)."""
-    assert T.ancestor_mask([-1, 0, 0, 1, 3]).int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0],
+    assert ddtree.ancestor_mask([-1, 0, 0, 1, 3]).int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0],
                                                                  [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]
     batch = torch.tensor([[-1, 0, 1, 2, -1], [-1, 0, 0, 2, -1]])
-    m = T.ancestor_mask(batch, 3)
+    m = ddtree.ancestor_mask(batch, 3)
     assert m.shape == (2, 5, 5) and m[0, 3].tolist() == [True] * 4 + [False]
     assert m[1, 3].tolist() == [True, False, True, True, False] and m[:, 4].int().tolist() == [[0, 0, 0, 0, 1]] * 2
-    assert torch.equal(T.ancestor_mask(batch, 2)[0, 3], torch.tensor([False, True, True, True, False]))
+    assert torch.equal(ddtree.ancestor_mask(batch, 2)[0, 3], torch.tensor([False, True, True, True, False]))
 
 
 def test_hand_built_cross_depth_tie():
@@ -229,7 +229,7 @@ def test_matches_ref_exact_ties(monkeypatch):
     def rank_exact(x, k):
         lp, tok = torch.sort(x.float(), dim=-1, descending=True, stable=True)
         return lp[..., :k], tok[..., :k]
-    monkeypatch.setattr(T, "rank_tokens", rank_exact)
+    monkeypatch.setattr(ddtree, "rank_tokens", rank_exact)
     g = torch.Generator().manual_seed(7)
     for trial in range(800):
         L, V = int(torch.randint(2, 7, (1,), generator=g)), int(torch.randint(2, 16, (1,), generator=g))
@@ -295,7 +295,7 @@ def test_format_tree():
     s = format_tree(build_tree(x, 3, 4), decode=words.__getitem__, accepted=[0, 1, 2], bonus=0)
     assert s.splitlines()[-1] == "  bonus 'a'"
     for term in ("q=", "score", "*", "bonus", "root"):     # the legend explains every mark the tree shows
-        assert term in T.LEGEND
+        assert term in ddtree.LEGEND
 
 
 def test_builder_op_count():
@@ -311,11 +311,11 @@ def test_builder_op_count():
             Count.n += not func.is_view
             return func(*args, **(kwargs or {}))
 
-    lp, tok = T.rank_tokens(torch.randn(1, 7, 4352), 8)
+    lp, tok = ddtree.rank_tokens(torch.randn(1, 7, 4352), 8)
     roots = torch.tensor([1])
-    T.ddtree_search.ref(lp, tok, roots, 8)
+    ddtree.ddtree_search.ref(lp, tok, roots, 8)
     with Count():
-        T.ddtree_search.ref(lp, tok, roots, 8)
+        ddtree.ddtree_search.ref(lp, tok, roots, 8)
     assert Count.n <= 100, Count.n
 
 
@@ -334,7 +334,7 @@ def test_rank_tokens_keys_equal_stable_sort():
         elif trial % 4 == 3:
             x[torch.rand(2, L, V, generator=g) < 0.3] = float("-inf")
             x[..., 0] = 1.0
-        lp, tok = T.rank_tokens(x, k)
+        lp, tok = ddtree.rank_tokens(x, k)
         want_lp, want_tok = torch.sort(torch.log_softmax(x, -1), dim=-1, descending=True, stable=True)
         assert torch.equal(tok, want_tok[..., :k]), f"trial {trial}"
         assert torch.equal(lp.view(torch.int32), want_lp[..., :k].view(torch.int32)), f"trial {trial}"
@@ -393,7 +393,7 @@ def test_any_drafter_output_keeps_the_root(kind):
         x = hostile_logits(g, (2, L, V), kind)
         roots = torch.randint(0, V, (2,), generator=g)
         bt, ct = build_tree_batched(x, roots, B), chain_tree_batched(x, roots, L)
-        lp, tok = T.rank_tokens(x, 1)
+        lp, tok = ddtree.rank_tokens(x, 1)
         for i in range(2):
             msg = f"{kind} L={L} V={V} B={B} trial={trial} row={i}"
             t = bt[i]
@@ -407,15 +407,15 @@ def test_any_drafter_output_keeps_the_root(kind):
             if not logp.isfinite().all():        # non-finite logp ranks as -inf; the rest keeps its order
                 clean = torch.where(logp.isfinite(), logp, float("-inf"))
                 want_lp, want_tok = torch.sort(clean, dim=-1, descending=True, stable=True)
-                lp_i, tok_i = T.rank_tokens(x[i], V)
+                lp_i, tok_i = ddtree.rank_tokens(x[i], V)
                 assert torch.equal(tok_i, want_tok) and torch.equal(lp_i.view(torch.int32),
                                                                      want_lp.view(torch.int32)), msg
 
 
 def test_no_host_sync_in_builder():
-    for fn in (T.build_tree, T.build_tree_batched, T.ddtree_search, T.rank_tokens, T.rank_topk,
-               T._expand, T._fields, T._tree, T.ancestor_mask, T.chain_tree,
-               T.chain_tree_batched):
+    for fn in (ddtree.build_tree, ddtree.build_tree_batched, ddtree.ddtree_search, ddtree.rank_tokens, ddtree.rank_topk,
+               ddtree._expand, ddtree._fields, ddtree._tree, ddtree.ancestor_mask, ddtree.chain_tree,
+               ddtree.chain_tree_batched):
         src = code_of(fn)
         for bad in (".item(", ".tolist(", ".cpu(", ".numpy(", "nonzero("):
             assert bad not in src, f"{fn.__name__} calls {bad}"

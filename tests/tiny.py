@@ -68,16 +68,16 @@ def write_cli_pair(d, cfg: dict, seed: int):
     """A tiny K2.6-layout target in d with a Kimi-layout tokenizer (256 byte tokens + the special
     tokens), the chat template, and its drafter in d/draft (random weights: the loader refuses
     torch.empty's NaN / inf bytes). Returns d."""
-    import draft as D
+    import draft as dflash
     from tokenizer import KIMI_SPECIAL_TOKENS, write_chat_template, write_tiktoken_model, write_tokenizer_config
     ref = write_k26(d, cfg, seed=seed)
     write_tiktoken_model(d / "tiktoken.model", {bytes([i]): i for i in range(256)})
     write_tokenizer_config(d / "tokenizer_config.json", KIMI_SPECIAL_TOKENS(256))
     write_chat_template(d)
-    dcfg = D.tiny_draft_config(ref.args)
-    drafter = D.DFlashDrafter(D.DraftArgs.from_config(dcfg))
+    dcfg = dflash.tiny_draft_config(ref.args)
+    drafter = dflash.DFlashDrafter(dflash.DraftArgs.from_config(dcfg))
     randomize_(drafter, seed=4, std=0.2)
-    D.write_drafter(str(d / "draft"), drafter, dcfg)
+    dflash.write_drafter(str(d / "draft"), drafter, dcfg)
     return d
 
 
