@@ -84,6 +84,7 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint as C
+import cli
 import draft as dflash
 import files
 import kernels
@@ -779,7 +780,7 @@ def per_rank_build(tp: int, device, dtype):
 def build_block(cfg: dict, layer_id: int, tp: int, device, dtype, seed: int) -> tuple[M.ModelArgs, M.Block]:
     """One model.Block of `cfg` with rank 0's per-rank shapes at tensor parallel size tp (see per_rank_build),
     holding the random weights of layer `layer_id` of checkpoint.random_model."""
-    args = M.ModelArgs.from_config(C.k26_config(cfg, 32))
+    args = C.model_args(C.k26_config(cfg, 32))
     M.check_tp_divisibility(args, tp)
     with per_rank_build(tp, device, dtype):
         block = M.Block(layer_id, args)
@@ -1194,7 +1195,7 @@ def bench_draft(a, device, dtype) -> dict:
     drafter: replicated (every rank runs all of it) vs tensor-parallel per-rank shapes at a.tp plus its
     2 * layers + 1 all-reduces at --allreduce-us each."""
     cfg = k26_draft_config(_scale(a, device))
-    args = dflash.DraftArgs.from_config(cfg)
+    args = C.draft_args(cfg)
     bw = copy_bandwidth(device, copy_size(a, device))
     rows = []
     for tp in sorted({1, a.tp}):
@@ -1888,7 +1889,7 @@ def write_out(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
-    device = M.init_distributed(device=a.device)
+    device = cli.init_distributed(device=a.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
         a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     kernels.ENABLED = not a.no_triton
@@ -1920,7 +1921,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.out and M.rank == 0:
         write_out(result, a.out)
     print0(json.dumps(result))
-    M.close_distributed()
+    cli.close_distributed()
     return result
 
 
@@ -2056,7 +2057,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         except (OSError, ValueError) as e:
             p.error(f"--prompts {e}")
     if a.out is not None:   # checked before any work, not after it (the JSON, then the plot next to it)
-        from cli import check_output_path
         if os.path.splitext(a.out)[1].lower() == ".png":
             p.error(f"--out {a.out}: the plot is written next to the JSON as <name>.png; name the JSON <name>.json")
         try:
@@ -2066,8 +2066,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         inputs = (a.prompts, a.tokenizer, *paths)
         try:
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-            check_output_path("--out", a.out, inputs)
-            check_output_path(f"--out {a.out}: its plot", plot_path(a.out), inputs)
+            cli.check_output_path("--out", a.out, inputs)
+            cli.check_output_path(f"--out {a.out}: its plot", plot_path(a.out), inputs)
         except (OSError, ValueError) as e:
             p.error(str(e) if isinstance(e, ValueError) else f"--out {a.out}: cannot create its directory ({e})")
     return a
@@ -2075,7 +2075,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_one_rank_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """--one-rank-of's flags, checked before anything loads; the TP size against the target's and the drafter's
-    config (model.check_tp_divisibility, draft.check_tp_divisibility). A bad value ends in p.error (exit 2)."""
+    config (model.check_tp_divisibility, M.check_tp_divisibility). A bad value ends in p.error (exit 2)."""
     n = a.one_rank_of
     if n < 1:
         p.error(f"--one-rank-of must be a tensor-parallel size >= 1, got {n}")
@@ -2102,11 +2102,10 @@ def check_one_rank_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> No
     try:
         M.check_tp_divisibility(C.model_args(ckpt), n)
         if draft is not None:
-            dflash.check_tp_divisibility(dflash.DraftArgs.from_config(draft), n)
+            M.check_tp_divisibility(C.draft_args(draft), n)
     except ValueError as e:
         p.error(f"--one-rank-of {n}: {e}")
 
 
 if __name__ == "__main__":
-    from cli import exit_code
-    sys.exit(exit_code(main))    # a missing checkpoint, a bad file: one line, as generate.py
+    sys.exit(cli.exit_code(main))    # a missing checkpoint, a bad file: one line, as generate.py

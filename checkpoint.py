@@ -1,4 +1,5 @@
-"""Checkpoint formats of the Kimi K2.6 / DeepSeek-V3 target, apart from the model's math (model.py).
+"""Checkpoint formats of the Kimi K2.6 / DeepSeek-V3 target and of its DFlash drafter, apart from the models'
+math (model.py, draft.py).
 
 Reads:
   * config.json: flat (model_type kimi_k2 / deepseek_v3) or nested as K2.5 / K2.6 ship it (kimi_k25 with a
@@ -10,6 +11,8 @@ Reads:
     or weight (float), stacked into model.Experts without ever being dequantized.
 Writes: the same K2.6 layout (k26_config, save_checkpoint, quantize_int4, pack_int4; hf_state_dict is the loader's
 inverse), for the tests and the bundled tiny model.
+The DFlash drafter's files, in the public z-lab layout: its config.json (draft_args, checked against the target:
+check_drafter_compatible), its safetensors (load_drafter) and both written (write_drafter, tiny_draft_config).
 Random (no checkpoint): `random:k2.6` / `random:tiny` (and their `-dflash` drafters) name Kimi K2.6's configs, real
 size or shrunk; random_model / random_drafter build them on each rank's device in the per-rank layout and fill
 them with seeded random values that do not depend on the TP size (randomize_).
@@ -35,6 +38,7 @@ import zlib
 
 import torch
 
+import draft as Dr
 import model as M
 from files import json_kind, read_json, regular_file, replacing, write_json
 
@@ -302,6 +306,99 @@ def model_args(path_or_dict) -> M.ModelArgs:
     return args
 
 
+def draft_args(path_or_dict) -> Dr.DraftArgs:
+    """A DFlash drafter's config.json (a dict, a checkpoint directory or the file) -> DraftArgs, every field checked
+    for its type and range."""
+    return _draft_args(*read_config(path_or_dict, "drafter config"))
+
+
+def _draft_args(cfg: dict, where: str) -> Dr.DraftArgs:
+    """A DFlash config.json -> draft.DraftArgs, every field checked for its type and range
+    (checkpoint.Fields: an error names the file and the field)."""
+    f = Fields(cfg, where)
+    dcfg = f.sub("dflash_config")
+    # a DFlash field: dflash_config's, else the top level's (as upstream reads it)
+    dflash = lambda key: dcfg if dcfg.has(key) or not f.has(key) else f
+    f.choice("model_type", ("qwen3",), "qwen3")
+    archs = f.get("architectures", [])
+    if not isinstance(archs, list) or [a for a in archs if a != "DFlashDraftModel"]:
+        raise f.bad("architectures", archs, "['DFlashDraftModel'] (no other is supported)")
+    f.choice("hidden_act", ("silu",), "silu")
+    layer_types = f.get("layer_types", [])
+    if not isinstance(layer_types, list) or [t for t in layer_types if t != "full_attention"] \
+            or f.flag("use_sliding_window", False):
+        raise f.bad("layer_types", layer_types,
+                    "only 'full_attention' (sliding-window drafter layers are not supported)")
+    dflash("is_causal").choice("is_causal", (False,), False,
+                               why="DFlash blocks attend non-causally")
+
+    rope, theta, rope_type = rope_fields(f)
+    rope.choice("partial_rotary_factor", (1.0, 1), 1.0)
+    yarn = {}
+    if rope_type == "yarn":
+        yarn = dict(yarn_fields(rope), rope_truncate=rope.flag("truncate", True))
+
+    n_heads, hidden = f.int("num_attention_heads"), f.int("hidden_size")
+    n_kv = f.int("num_key_value_heads", n_heads, max=n_heads)
+    if n_heads % n_kv:
+        raise f.bad("num_key_value_heads", n_kv, f"a divisor of num_attention_heads = {n_heads}")
+    if not f.has("head_dim") and hidden % n_heads:
+        raise ValueError(f"{where}: field head_dim is missing, and hidden_size = {hidden} is not "
+                         f"a multiple of num_attention_heads = {n_heads}")
+    head_dim = f.int("head_dim", hidden // n_heads, min=2)
+    if head_dim % 2:
+        raise f.bad("head_dim", head_dim, "an even integer (rope rotates pairs)")
+    max_pos = f.int("max_position_embeddings")
+    scale = lambda key, default: dflash(key).number(key, default, above=0)
+    return Dr.DraftArgs(
+        hidden_size=hidden, intermediate_size=f.int("intermediate_size"),
+        num_hidden_layers=f.int("num_hidden_layers"), num_attention_heads=n_heads,
+        num_key_value_heads=n_kv, head_dim=head_dim,
+        rms_norm_eps=f.number("rms_norm_eps", min=FLOAT32_TINY, below=1), rope_theta=theta,
+        max_position_embeddings=max_pos,
+        # the block's positions follow the context: a block past the positions is never drafted
+        block_size=f.int("block_size", min=2, max=max_pos,
+                         why=f"max_position_embeddings = {max_pos}"),
+        num_target_layers=f.int("num_target_layers"),
+        mask_token_id=dflash("mask_token_id").int("mask_token_id", min=0),
+        target_layer_ids=dflash("target_layer_ids").ints("target_layer_ids"),
+        vocab_size=f.int("vocab_size", None), attention_bias=f.flag("attention_bias", False),
+        rope_type=rope_type, input_embedding_scale=scale("input_embedding_scale", 1.0),
+        output_multiplier=scale("output_multiplier", 1.0),
+        final_logit_softcapping=scale("final_logit_softcapping", None), **yarn)
+
+
+def check_drafter_compatible(d: Dr.DraftArgs, t: M.ModelArgs) -> None:
+    """Reject a drafter that cannot run on this target, before anything is loaded or computed."""
+    T = t.num_hidden_layers
+    for i in d.target_layer_ids:
+        if not 0 <= i < T:
+            raise ValueError(f"drafter target_layer_ids contains {i}, outside the target's "
+                             f"layers [0, {T}) (target num_hidden_layers = {T})")
+    if list(d.target_layer_ids) != sorted(set(d.target_layer_ids)):
+        # model.Transformer concatenates the taps in layer order; DFlash concatenates in list order
+        raise ValueError(f"drafter target_layer_ids {d.target_layer_ids} "
+                         "must be strictly increasing")
+    if d.num_target_layers != T:
+        raise ValueError(f"drafter num_target_layers = {d.num_target_layers} "
+                         f"but target num_hidden_layers = {T}")
+    if d.hidden_size != t.hidden_size:
+        raise ValueError(f"drafter hidden_size = {d.hidden_size} "
+                         f"but target hidden_size = {t.hidden_size}")
+    # The fc input width is then len(target_layer_ids) x target hidden_size by construction; a
+    # checkpoint whose fc.weight disagrees is rejected by load_drafter's shape check, which names
+    # that product.
+    if d.vocab_size is not None and d.vocab_size != t.vocab_size:
+        raise ValueError(f"drafter vocab_size = {d.vocab_size} "
+                         f"but target vocab_size = {t.vocab_size}")
+    if not 0 <= d.mask_token_id < t.vocab_size:
+        raise ValueError(f"drafter mask_token_id = {d.mask_token_id} "
+                         f"is outside the target vocab_size = {t.vocab_size}")
+    if d.block_size > t.max_position_embeddings:
+        raise ValueError(f"drafter block_size = {d.block_size} is more than the target's "
+                         f"max_position_embeddings = {t.max_position_embeddings}")
+
+
 # ----------------------------------------------------------------------------------------------
 # Loading: every parameter exactly once, sliced to this rank.
 
@@ -489,10 +586,96 @@ def check_checkpoint(args: M.ModelArgs, ckpt_dir: str) -> None:
     load_checkpoint(meta, ckpt_dir, check_finite=False, read=False)
 
 
-def load_drafter(path: str, target_args: M.ModelArgs, device, dtype: torch.dtype):
-    """draft.load_drafter(path, ...), or random_drafter for a `random:<name>-dflash` path."""
-    import draft as Dr     # draft.py imports this module
-    return (random_drafter if is_random(path) else Dr.load_drafter)(path, target_args, device, dtype)
+def load_drafter(path: str, target_args: M.ModelArgs | None = None, device=None, dtype=None) -> Dr.DFlashDrafter:
+    """A DFlash drafter from its checkpoint directory (_read_drafter), or random_drafter for `random:<name>-dflash`."""
+    return (random_drafter if is_random(path) else _read_drafter)(path, target_args, device, dtype)
+
+
+# optional prefix, vLLM renames
+_DRAFT_ALIASES = (("model.", ""), ("midlayer.", "layers.0."), ("encoder.fc.", "fc."))
+
+
+def _draft_param_name(name: str) -> str:
+    for old, new in _DRAFT_ALIASES:
+        if name.startswith(old):
+            name = new + name[len(old):]
+    return name
+
+
+def check_drafter_layer_count(args: Dr.DraftArgs, path: str) -> None:
+    """config.json's num_hidden_layers against the layers the checkpoint's tensor names hold
+    (headers only), before the drafter is built: a count too high or too low names the file."""
+    layers = {}
+    for name, fname in tensor_names(path):
+        m = re.match(r"layers\.(\d+)\.", _draft_param_name(name))
+        if m:
+            layers.setdefault(int(m[1]), (name, fname))
+    n, top = args.num_hidden_layers, max(layers, default=-1)
+    where = os.path.join(path, "config.json")
+    if top >= n:
+        name, fname = layers[top]
+        raise CheckpointError(f"{where}: num_hidden_layers = {n}, but tensor {name} in {fname} is "
+                              f"of layer {top}")
+    if top < n - 1:
+        raise CheckpointError(f"{where}: num_hidden_layers = {n}, but the checkpoint holds tensors "
+                              f"of layers 0..{top} only")
+
+
+@torch.no_grad()
+def _read_drafter(path: str, target_args: M.ModelArgs | None = None, device=None,
+                  dtype=None) -> Dr.DFlashDrafter:
+    """Read config.json, check it against the target and the TP size (before loading anything),
+    build the drafter on `device` in `dtype` and load every tensor exactly once, checked against its
+    full shape; each rank reads only its slice (safetensors get_slice, like
+    checkpoint.load_checkpoint). No tensor may hold NaN / inf (checked as the target's are: the
+    error names the tensor and its file)."""
+    args = draft_args(path)
+    if target_args is not None:
+        check_drafter_compatible(args, target_args)
+    check_drafter_layer_count(args, path)
+    # allocated in the final dtype (no fp32 copy of a 3.5B model); the constructor checks the TP
+    # divisibility first
+    drafter = build(lambda: Dr.DFlashDrafter(args), device or "cpu",
+                      dtype or torch.get_default_dtype())
+    # checkpoint name -> (where its slice goes: a parameter or a stacked one's rows, its shard_dim)
+    params, loaded = checkpoint_slots(drafter), set()
+    written = []    # (name, file, where it went): names a non-finite tensor
+    for fname, names in sorted(shard_files(path).items()):
+        with open_shard(path, fname) as f:
+            for name in names if names is not None else list(f.keys()):
+                key = _draft_param_name(name)
+                if key not in params:
+                    raise CheckpointError(f"unexpected tensor {name} in {fname} "
+                                          "(no such drafter parameter)")
+                if key in loaded:
+                    raise CheckpointError(f"tensor {name} appears twice (again in {fname})")
+                _load_drafter_slice(f.get_slice(name), *params[key], key, name, fname, args)
+                loaded.add(key)
+                written.append((name, fname, params[key][0]))
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise CheckpointError(f"{path}: missing drafter tensors {missing[:5]}"
+                              + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""))
+    # as the target's: one sync, then the culprit
+    _check_finite(list(drafter.parameters()), written)
+    return drafter.eval()
+
+
+def _load_drafter_slice(sl, dest: torch.Tensor, sd: int | None, key: str, name: str, fname: str,
+                args: Dr.DraftArgs) -> None:
+    """Check one checkpoint tensor's dtype and full (unsharded) shape, then copy this rank's slice
+    into dest."""
+    _check_dtype(name, fname, sl, dest.dtype)           # any float, as the target's
+    shape = tuple(sl.get_shape())
+    full = list(dest.shape)
+    if sd is not None:
+        full[sd] *= M.world_size
+    if shape != tuple(full):
+        why = (f" ({len(args.target_layer_ids)} target_layer_ids x hidden_size {args.hidden_size} "
+               f"input columns)") if key == "fc.weight" else ""
+        raise CheckpointError(f"tensor {name} in {fname} has shape {list(shape)}, "
+                              f"expected {full}{why}")
+    dest.copy_(rank_slice(sl, shape, sd, M.world_size, M.rank))
 
 
 @torch.no_grad()
@@ -790,6 +973,47 @@ def hf_state_dict(model: M.Transformer, int4: bool = False) -> dict[str, torch.T
     return out
 
 
+def write_drafter(path: str, drafter_or_state, config: dict, n_shards: int = 1) -> None:
+    """Write config.json + model.safetensors (or n_shards shards + index) in the public DFlash
+    layout: a drafter (world size 1), or a state dict under checkpoint names or the drafter's own
+    (stacked tensors are split)."""
+    from safetensors.torch import save_file
+    if isinstance(drafter_or_state, torch.nn.Module):
+        state = checkpoint_tensors(drafter_or_state)
+    else:      # the stacked parameters of a drafter of this config, split into their tensors
+        with torch.device("meta"):
+            layout = Dr.DFlashDrafter(draft_args(config))
+        state = checkpoint_tensors(layout, drafter_or_state)
+    state = {k: v.detach().contiguous() for k, v in state.items()}
+    if n_shards > 1:
+        save_checkpoint(state, config, path, n_shards=n_shards, vision=False, prefix="")
+        return
+    os.makedirs(path, exist_ok=True)
+    with replacing(os.path.join(path, "model.safetensors")) as tmp:
+        save_file(state, tmp, metadata={"format": "pt"})
+    write_json(os.path.join(path, "config.json"), config)
+
+
+def tiny_draft_config(target_args: M.ModelArgs, **over) -> dict:
+    """A tiny DFlash config for `target_args`, with the public files' fields: 2 layers, GQA 4/2,
+    head_dim != hidden/heads, YaRN, block_size 4, mask token = vocab - 2 (as Kimi's 163838 of
+    163840)."""
+    T, D, V = target_args.num_hidden_layers, target_args.hidden_size, target_args.vocab_size
+    n_layers = over.get("num_hidden_layers", 2)
+    ids = sorted({min(max(i, 0), T - 1) for i in Dr.build_target_layer_ids(T, n_layers)})
+    cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=D,
+               intermediate_size=2 * D, num_hidden_layers=n_layers, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=24, hidden_act="silu", rms_norm_eps=1e-6,
+               rope_theta=50000.0,
+               rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32,
+                                 beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+               max_position_embeddings=256, attention_bias=False, vocab_size=V,
+               tie_word_embeddings=False, block_size=4, num_target_layers=T,
+               dflash_config=dict(mask_token_id=V - 2, target_layer_ids=ids))
+    cfg.update(over)
+    return cfg
+
+
 # ----------------------------------------------------------------------------------------------
 # Kimi K2.6's shapes with random weights, no checkpoint: `--ckpt random:k2.6` (bench.py e2e, generate.py) builds
 # the whole 61-layer model and its 6-layer DFlash drafter on each rank's device, in the per-rank layout that
@@ -864,10 +1088,9 @@ def random_model(config, device, dtype: torch.dtype, seed: int = 0) -> M.Transfo
 def random_drafter(config, target_args: M.ModelArgs | None, device, dtype: torch.dtype, seed: int = 0):
     """The DFlash drafter of `config` (random:<name>-dflash or a drafter config), as draft.load_drafter builds it,
     filled by randomize_ (its names prefixed 'draft.', so no drafter weight repeats a target weight)."""
-    import draft as Dr     # draft.py imports this module
-    args = Dr.DraftArgs.from_config(config)
+    args = draft_args(config)
     if target_args is not None:
-        Dr.check_compatible(args, target_args)
+        check_drafter_compatible(args, target_args)
     drafter = build(lambda: Dr.DFlashDrafter(args), device, dtype)    # checks the TP divisibility first
     randomize_(drafter, seed, prefix="draft.")
     return drafter.eval()

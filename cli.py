@@ -212,6 +212,39 @@ def check_cache_memory(a, margs: M.ModelArgs, dargs, device: torch.device, dtype
                          f"has {free / 2**30:.1f} GiB free ({of}); lower --max-seq-len")
 
 
+# torchrun: this process's rank, its device and the process group
+
+def init_distributed(timeout_s: float = 300.0, device: str | None = None) -> torch.device:
+    """Join the torchrun process group (NCCL on GPUs, gloo on CPU) and return this rank's device:
+    `device` (a --device flag; "cuda" means this rank's GPU), else this rank's GPU if there is one,
+    else the CPU. The backend follows the device, so --device cpu on a GPU host runs over gloo."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    M.set_tp(world_size, int(os.environ.get("RANK", "0")))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    if world_size > 1 and not torch.distributed.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        from datetime import timedelta
+        # A timeout turns a rank that died into an error on the others instead of a hang.
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def close_distributed() -> None:
+    """Leave the process group at exit: every rank waits for the others, then tears down (without
+    this, gloo aborts at interpreter exit with 'terminate called without an active exception')."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        if torch.distributed.get_backend() == "gloo":
+            # NCCL is left to process exit: destroy_process_group() can hang in a process that
+            # captured NCCL all-reduces in a CUDA graph
+            torch.distributed.destroy_process_group()
+
+
 def main(argv=None) -> int:
     """CLI entry: a user mistake (bad flag, path, config, prompt) prints one line on rank 0 and exits 2; --debug
     shows the traceback instead. Ctrl-C prints one line and exits 130, after what was generated so far (and the
@@ -240,7 +273,7 @@ def main(argv=None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print("\ninterrupted (Ctrl-C)", file=sys.stderr)
         rc = 130
-    M.close_distributed()
+    close_distributed()
     return rc
 
 
@@ -248,7 +281,7 @@ def _main(a: argparse.Namespace) -> int:
     from tokenizer import StreamDecoder, Tokenizer
     from trace_page import Trace
     check_args(a)
-    device = M.init_distributed(device=a.device)
+    device = init_distributed(device=a.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[
         a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if a.no_triton:
@@ -329,15 +362,15 @@ def check_models(a, device: torch.device, dtype: torch.dtype) -> tuple:
     each other and this engine, and the memory their KV caches need: before any weight loads.
     Returns (ModelArgs, DraftArgs or None when nothing is drafted)."""
     import draft as dflash
-    margs = M.ModelArgs.from_config(a.ckpt)
+    margs = C.model_args(a.ckpt)
     if not C.is_random(a.ckpt):
         C.check_checkpoint(margs, a.ckpt)
-    dargs = dflash.DraftArgs.from_config(a.draft) if a.draft and a.budget != 0 else None
+    dargs = C.draft_args(a.draft) if a.draft and a.budget != 0 else None
     if dargs is not None:
-        dflash.check_compatible(dargs, margs)
+        C.check_drafter_compatible(dargs, margs)
         if not C.is_random(a.draft):
-            dflash.check_layer_count(dargs, a.draft)
-        dflash.check_tp_divisibility(dargs, M.world_size)
+            C.check_drafter_layer_count(dargs, a.draft)
+        M.check_tp_divisibility(dargs, M.world_size)
         if dargs.block_size > MAX_BUDGET + 1:
             raise ValueError(f"drafter {a.draft}: block_size = {dargs.block_size}, more than this engine drafts "
                              f"and verifies in one step ({MAX_BUDGET + 1})")

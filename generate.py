@@ -432,6 +432,7 @@ class _Clock:
         self.stats.stage_s[name] += dt
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":        # `python generate.py`: the command line (cli.py) over this module
+    sys.modules["generate"] = sys.modules[__name__]   # cli's `import generate` is this run, not a 2nd copy
     import cli
     sys.exit(cli.main())

@@ -20,7 +20,7 @@ Invariants this file keeps:
 
 Usage:
     import checkpoint
-    model = Transformer(ModelArgs.from_config("ckpt/"))   # current default device and dtype
+    model = Transformer(checkpoint.model_args("ckpt/"))   # current default device and dtype
     checkpoint.load_checkpoint(model, "ckpt/")
     logits = model(tokens).logits    # [B, T] int64 -> [B, T, vocab] fp32, no cache used
 Tests: python -m pytest -q tests/test_model.py
@@ -28,7 +28,6 @@ Tests: python -m pytest -q tests/test_model.py
 from __future__ import annotations
 
 import math
-import os
 import sys
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -40,7 +39,7 @@ import torch.nn.functional as F
 
 import kernels
 
-# Tensor-parallel coordinates, set once by init_distributed (end of file) or set_tp; a single
+# Tensor-parallel coordinates, set once by set_tp (cli.init_distributed under torchrun); a single
 # process keeps world_size = 1 and never calls a collective.
 world_size = 1
 rank = 0
@@ -106,24 +105,22 @@ class ModelArgs:
         return (self.n_routed_experts > 0 and i >= self.first_k_dense_replace
                 and i % self.moe_layer_freq == 0)
 
-    @staticmethod
-    def from_config(path_or_dict) -> "ModelArgs":
-        """A checkpoint directory, its config.json or the parsed dict (flat kimi_k2 / deepseek_v3,
-        or nested kimi_k25 as K2.5 / K2.6 ship it): checkpoint.model_args."""
-        import checkpoint    # the format side imports this module, not the other way round
-        return checkpoint.model_args(path_or_dict)
+    def tp_splits(self) -> list[tuple[str, int, int]]:
+        """What tensor parallelism splits (check_tp_divisibility): (name, size, unit), each rank
+        taking whole units (the routed experts' intermediate rows: whole INT4 groups)."""
+        gs = self.quant.group_size if self.quant else 1
+        return [("num_attention_heads", self.num_attention_heads, 1),
+                ("vocab_size", self.vocab_size, 1),
+                ("intermediate_size", self.intermediate_size, 1),
+                ("moe_intermediate_size", self.moe_intermediate_size, gs),
+                ("moe_intermediate_size*n_shared_experts",
+                 self.moe_intermediate_size * self.n_shared_experts, 1)]
 
 
-def check_tp_divisibility(args: ModelArgs, ws: int) -> None:
-    """Fail before loading anything if the world size cannot split the model evenly."""
-    gs = args.quant.group_size if args.quant else 1
-    checks = [("num_attention_heads", args.num_attention_heads, 1),
-              ("vocab_size", args.vocab_size, 1),
-              ("intermediate_size", args.intermediate_size, 1),
-              ("moe_intermediate_size", args.moe_intermediate_size, gs),
-              ("moe_intermediate_size*n_shared_experts",
-               args.moe_intermediate_size * args.n_shared_experts, 1)]
-    for name, value, unit in checks:
+def check_tp_divisibility(args, ws: int) -> None:
+    """Fail before loading anything if the world size cannot split the model (ModelArgs) or the
+    drafter (draft.DraftArgs) evenly: each gives its args.tp_splits()."""
+    for name, value, unit in args.tp_splits():
         if value % (ws * unit):
             extra = f" x group_size {unit}" if unit > 1 else ""
             raise ValueError(f"tensor parallel size {ws} does not divide {name}={value}{extra}")
@@ -778,38 +775,6 @@ def check_finite(t: torch.Tensor, where: str) -> None:
 # --device of generate.py (cli.py) and bench.py
 DEVICE_HELP = ("cpu, cuda or cuda:N (default: this rank's GPU, else the CPU); under torchrun the "
                "backend follows it: NCCL on GPUs, gloo on the CPU")
-
-
-def init_distributed(timeout_s: float = 300.0, device: str | None = None) -> torch.device:
-    """Join the torchrun process group (NCCL on GPUs, gloo on CPU) and return this rank's device:
-    `device` (a --device flag; "cuda" means this rank's GPU), else this rank's GPU if there is one,
-    else the CPU. The backend follows the device, so --device cpu on a GPU host runs over gloo."""
-    global world_size, rank
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", local_rank)
-    if world_size > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        from datetime import timedelta
-        # A timeout turns a rank that died into an error on the others instead of a hang.
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=timeout_s))
-    return device
-
-
-def close_distributed() -> None:
-    """Leave the process group at exit: every rank waits for the others, then tears down (without
-    this, gloo aborts at interpreter exit with 'terminate called without an active exception')."""
-    if dist.is_initialized():
-        dist.barrier()
-        if dist.get_backend() == "gloo":
-            # NCCL is left to process exit: destroy_process_group() can hang in a process that
-            # captured NCCL all-reduces in a CUDA graph
-            dist.destroy_process_group()
 
 
 def set_tp(size: int, r: int) -> None:

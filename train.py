@@ -392,7 +392,7 @@ def train_and_export_target(p: dict, num_base: int, train: torch.Tensor, val: to
     train_final and log's target / qat curves."""
     text_cfg = target_config(p, num_base)
     with torch.device(device):
-        model = M.Transformer(M.ModelArgs.from_config(text_cfg))
+        model = M.Transformer(C.model_args(text_cfg))
     init_weights_(model, p["layers"])
     ev = lambda: evaluate(model, val, p["ctx"], p["eval_windows"], device)
     dense = device.type == "cuda"
@@ -458,8 +458,8 @@ def copy_target(src: Path, tdir: str) -> tk.Tokenizer:
 def check_target_matches(p: dict, preset: str, tdir: str, num_base: int) -> None:
     """Steps 5-6 take the context (YaRN original_max_position_embeddings) from p, the card the target's shape:
     p must describe the target in tdir (it does after adopt_target_settings; without a log, only the same preset)."""
-    want = M.ModelArgs.from_config(target_config(p, num_base))
-    have = dataclasses.replace(M.ModelArgs.from_config(tdir), quant=None, nested=False)
+    want = C.model_args(target_config(p, num_base))
+    have = dataclasses.replace(C.model_args(tdir), quant=None, nested=False)
     if diff := [f.name for f in dataclasses.fields(want) if getattr(want, f.name) != getattr(have, f.name)]:
         raise ValueError(f"--target-from: {tdir}/config.json differs from the {preset} preset's target in {diff}: "
                          f"use the preset it was trained with")
@@ -661,7 +661,7 @@ def accept_lengths(target_dir: str, draft_dir: str, val: torch.Tensor, tok: tk.T
     held-out files (seeded positions)."""
     import generate as G
     target = load_target(target_dir, device, dtype)
-    drafter = dflash.load_drafter(draft_dir, target_args=target.args, device=device, dtype=dtype)
+    drafter = C.load_drafter(draft_dir, target_args=target.args, device=device, dtype=dtype)
     openings = (val == tok.bos_id).nonzero().flatten().tolist()[:n_prompts]
     g = torch.Generator().manual_seed(5)
     middles = torch.randint(len(val) - prompt_len - 1, (2 * n_prompts,), generator=g).tolist()
@@ -846,12 +846,12 @@ def main(a: argparse.Namespace) -> dict:
     # 5. drafter against the frozen exported target
     torch.manual_seed(a.seed + 1)                  # its init does not depend on whether this run trained the target
     dcfg = drafter_config(p, target.args, num_base)
-    dargs = dflash.DraftArgs.from_config(dcfg)
-    dflash.check_compatible(dargs, target.args)
+    dargs = C.draft_args(dcfg)
+    C.check_drafter_compatible(dargs, target.args)
     with torch.device(device):
         drafter = dflash.DFlashDrafter(dargs)
     init_weights_(drafter, dargs.num_hidden_layers)
-    save_drafter = lambda: dflash.write_drafter(ddir, {k: v.to("cpu", torch.bfloat16) for k, v in drafter.state_dict().items()},
+    save_drafter = lambda: C.write_drafter(ddir, {k: v.to("cpu", torch.bfloat16) for k, v in drafter.state_dict().items()},
                                            dcfg)
     train_drafter(drafter, target, train, val, p, device, log)
     save_drafter()                                 # a run stopped during distillation still leaves a drafter

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import autobudget as A
+import checkpoint as C
 import cli
 import draft as dflash
 import generate as G
@@ -35,7 +36,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def drafter(target):
-    d = dflash.DFlashDrafter(dflash.DraftArgs.from_config(dflash.tiny_draft_config(target.args)))   # block_size 4
+    d = dflash.DFlashDrafter(C.draft_args(C.tiny_draft_config(target.args)))   # block_size 4
     tiny.randomize_(d, seed=5, std=0.3)
     return d
 

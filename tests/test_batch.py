@@ -4,6 +4,7 @@ are never touched again. Run: python -m pytest -q tests/test_batch.py"""
 import pytest
 import torch
 
+import checkpoint as C
 import draft as dflash
 import generate as G
 import tiny
@@ -12,7 +13,7 @@ import tiny
 @pytest.fixture(scope="module")
 def pair():
     target = tiny.random_model(tiny.text_config(), seed=13)
-    d = dflash.DFlashDrafter(dflash.DraftArgs.from_config(dflash.tiny_draft_config(target.args)))
+    d = dflash.DFlashDrafter(C.draft_args(C.tiny_draft_config(target.args)))
     tiny.randomize_(d, seed=6, std=0.3)
     return target, d
 

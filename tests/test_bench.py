@@ -33,10 +33,10 @@ def pair(tmp_path_factory):
     """A random tiny K2.6-layout target and a random tiny DFlash drafter for it."""
     d = tmp_path_factory.mktemp("bench")
     tiny.write_k26(d / "target", tiny.text_config(), seed=5)
-    cfg = Dr.tiny_draft_config(M.ModelArgs.from_config(str(d / "target")))
-    drafter = Dr.DFlashDrafter(Dr.DraftArgs.from_config(cfg))
+    cfg = C.tiny_draft_config(C.model_args(str(d / "target")))
+    drafter = Dr.DFlashDrafter(C.draft_args(cfg))
     tiny.randomize_(drafter, 1, std=0.2)
-    Dr.write_drafter(str(d / "draft"), drafter, cfg)
+    C.write_drafter(str(d / "draft"), drafter, cfg)
     return d
 
 
@@ -384,7 +384,7 @@ def test_e2e_one_rank_of(capsys):
     (the target's embedding of the block, fc, o_proj and MLP of each layer) and 1 all-gather (the draft logits)."""
     originals = {n: getattr(torch.distributed, n) for n in bench.NOOP_COLLECTIVES}
     e, printed = one_rank(2, capsys, "--accept", "4.48,5.3", "--allreduce-us", "20,8.8", "--allreduce-gbps", "100")
-    args, dargs = C.model_args("random:tiny"), Dr.DraftArgs.from_config("random:tiny-dflash")
+    args, dargs = C.model_args("random:tiny"), C.draft_args("random:tiny-dflash")
     target_ar, draft_ar = 1 + 2 * args.num_hidden_layers, 2 + 2 * dargs.num_hidden_layers
     assert e["one_rank_of"] == 2 and e["collectives_run"] is False and e["draft"] == "random:tiny-dflash"
     assert "THE COLLECTIVES DID NOT RUN" in printed and "NOT MEASURED" in printed

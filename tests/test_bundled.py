@@ -23,14 +23,14 @@ def test_bundled_pair_takes_the_k26_path():
     index = json.load(open(os.path.join(ckpt, "model.safetensors.index.json")))["weight_map"]
     assert all(n.startswith(("language_model.", "vision_tower.", "mm_projector.")) for n in index)
     assert any(n.endswith("experts.0.up_proj.weight_packed") for n in index)
-    args = M.ModelArgs.from_config(ckpt)
+    args = C.model_args(ckpt)
     assert args.nested and args.quant is not None and args.quant.group_size == 32
     target = C.load_model(ckpt, torch.device("cpu"), torch.float32, progress=False)
     moe = next(l.mlp for l in target.layers if isinstance(l.mlp, M.MoE))
     assert moe.experts.w13_packed.dtype == torch.int32 and not hasattr(moe.experts, "w13")   # never dequantized
     tok = Tokenizer.from_dir(ckpt)
     assert tok.vocab_size == args.vocab_size and tok.num_base_tokens + 256 == tok.vocab_size
-    drafter = dflash.load_drafter(draft, target.args, torch.device("cpu"), torch.float32)
+    drafter = C.load_drafter(draft, target.args, torch.device("cpu"), torch.float32)
     prompt = tok.encode("def read_config(path):\n    \"\"\"Read a JSON config file.\"\"\"\n    with open(path) as f:\n")
     ar = G.generate(target, prompt, 40, max_seq_len=160)
     st = G.Stats()
@@ -45,7 +45,7 @@ def test_bundled_pair_acceptance_floor():
     prompt, CPU fp32, budget 8: the tree's and the chain's mean accept length stay above floors a little under
     what they measure (5.4 and 5.7; the context rows reversed give 2.9 and 2.3)."""
     target = C.load_model(G.BUNDLED_TARGET, torch.device("cpu"), torch.float32, progress=False)
-    drafter = dflash.load_drafter(G.BUNDLED_DRAFT, target.args, torch.device("cpu"), torch.float32)
+    drafter = C.load_drafter(G.BUNDLED_DRAFT, target.args, torch.device("cpu"), torch.float32)
     tok = Tokenizer.from_dir(G.BUNDLED_TARGET)
     prompts = json.load(open(os.path.join(G.HERE, "bench_prompts.json")))
     prompt = tok.encode(next(p["text"] for p in prompts["prompts"] if p["id"] == FLOOR_PROMPT))

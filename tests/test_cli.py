@@ -114,7 +114,7 @@ def test_checkpoint_errors(ckpt, tmp_path, capsys):
     assert one_line_error(code, err, "config.json") and "not valid JSON" in err
     # a drafter built for another target: rejected before any compute, naming the field
     other = tmp_path / "bad_draft"
-    cfg = dflash.tiny_draft_config(M.ModelArgs.from_config(tiny.text_config(vocab_size=VOCAB)))
+    cfg = C.tiny_draft_config(C.model_args(tiny.text_config(vocab_size=VOCAB)))
     cfg["dflash_config"]["target_layer_ids"] = [0, 7]
     other.mkdir()
     (other / "config.json").write_text(json.dumps(cfg))
@@ -303,9 +303,9 @@ def test_interactive_eof_ends(monkeypatch):
 def test_torchrun_drafter_error_once(ckpt, tmp_path):
     """2 ranks (gloo) and a drafter whose 3 kv heads don't split in 2: the error once, from rank 0, and no
     torchrun traceback."""
-    cfg = dflash.tiny_draft_config(M.ModelArgs.from_config(str(ckpt)), num_attention_heads=6, num_key_value_heads=3)
-    odd = dflash.DFlashDrafter(dflash.DraftArgs.from_config(cfg))
-    dflash.write_drafter(str(tmp_path / "odd"), odd.state_dict(), cfg)
+    cfg = C.tiny_draft_config(C.model_args(str(ckpt)), num_attention_heads=6, num_key_value_heads=3)
+    odd = dflash.DFlashDrafter(C.draft_args(cfg))
+    C.write_drafter(str(tmp_path / "odd"), odd.state_dict(), cfg)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "generate.py", "--ckpt", str(ckpt), "--draft", str(tmp_path / "odd"), "--prompt-ids", "1,2",
                         "--device", "cpu", "--quiet"], cwd=ROOT, env=CPU_ENV, capture_output=True, text=True,

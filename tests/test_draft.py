@@ -85,16 +85,16 @@ def target():
 
 
 def make_ckpt(path, target_args, seed=1, n_shards=1, **over):
-    cfg = Dr.tiny_draft_config(target_args, **over)
-    d = Dr.DFlashDrafter(Dr.DraftArgs.from_config(cfg))
+    cfg = C.tiny_draft_config(target_args, **over)
+    d = Dr.DFlashDrafter(C.draft_args(cfg))
     tiny.randomize_(d, seed, std=0.2)
-    Dr.write_drafter(str(path), d, cfg, n_shards=n_shards)
+    C.write_drafter(str(path), d, cfg, n_shards=n_shards)
     W = {k: v.detach().clone() for k, v in C.checkpoint_tensors(d).items()}     # under the checkpoint's names
     return cfg, W
 
 
 def loaded(path, target_args, Bmax=2, ctx=64):
-    d = Dr.load_drafter(str(path), target_args)
+    d = C.load_drafter(str(path), target_args)
     d.setup_cache(Bmax, ctx)
     return d
 
@@ -142,7 +142,7 @@ def test_plain_forward_matches_equations(tmp_path, target, bias):
     equations; its mask selects keys: a block that sees only the first 7 context rows == the plain
     forward over those 7."""
     cfg, W = make_ckpt(tmp_path, target.args, attention_bias=bias)
-    d = Dr.load_drafter(str(tmp_path), target.args)
+    d = C.load_drafter(str(tmp_path), target.args)
     B, D, bs = 2, cfg["hidden_size"], cfg["block_size"]
     n_taps = len(cfg["dflash_config"]["target_layer_ids"])
     feats, blk = randn(B, 12, n_taps * D, seed=2), randn(B, bs, D, seed=3)
@@ -239,7 +239,7 @@ def test_gpu_kernel_path_matches_equations(tmp_path, target, dtype, tol, monkeyp
     calls = tiny.count_launches(monkeypatch, ("qkv_norm_rope", "block_attention"))
     cfg, W = make_ckpt(tmp_path, target.args, head_dim=32)
     B, D, bs, n_taps = 2, cfg["hidden_size"], cfg["block_size"], len(cfg["dflash_config"]["target_layer_ids"])
-    d = Dr.load_drafter(str(tmp_path), target.args, device="cuda", dtype=dtype)
+    d = C.load_drafter(str(tmp_path), target.args, device="cuda", dtype=dtype)
     d.setup_cache(B, 64)
     feats = randn(B, 20, n_taps * D, seed=2)
     d.cached_forward(randn(B, bs, D, seed=3).to("cuda", dtype), feats[:, :9].to("cuda", dtype),
@@ -306,15 +306,15 @@ def d_amp(a: Dr.DraftArgs) -> float:
 def test_yarn_amplitude_and_frequencies(target):
     """The drafter's rope is model.py's YaRN over its whole head_dim, on Qwen3's halves, with the
     legacy amplitude 1 + 0.1 ln(factor) (what the Kimi DFlash checkpoints were trained with)."""
-    cfg = Dr.tiny_draft_config(target.args)
-    d = Dr.DFlashDrafter(Dr.DraftArgs.from_config(cfg))
+    cfg = C.tiny_draft_config(target.args)
+    d = Dr.DFlashDrafter(C.draft_args(cfg))
     ref_inv, ref_amp = yarn_reference(cfg)
     pos = torch.arange(40).view(1, -1)
     cos, sin = d.rope_cos_sin(pos, torch.float32)                                   # [1, 40, hd]
     ang = pos[0, :, None].float() * ref_inv                                          # [40, hd/2]
     assert torch.equal(cos[0], torch.cat([ang.cos(), ang.cos()], -1) * ref_amp)
     assert torch.equal(sin[0], torch.cat([-ang.sin(), ang.sin()], -1) * ref_amp)
-    amp = lambda c: d_amp(Dr.DraftArgs.from_config(c))
+    amp = lambda c: d_amp(C.draft_args(c))
     assert amp(cfg) == pytest.approx(1 + 0.1 * math.log(8.0))
     kimi = dict(cfg, rope_scaling=dict(rope_type="yarn", factor=64.0, beta_fast=32.0, beta_slow=1.0,
                                        original_max_position_embeddings=4096, mscale=1.0,
@@ -337,10 +337,10 @@ def test_yarn_amplitude_and_frequencies(target):
     (dict(num_target_layers=61), "num_target_layers = 61 but target num_hidden_layers = 3"),
 ])
 def test_incompatible_drafter_rejected_before_loading(tmp_path, target, over, msg):
-    cfg = Dr.tiny_draft_config(target.args, **over)
+    cfg = C.tiny_draft_config(target.args, **over)
     tmp_path.joinpath("config.json").write_text(json.dumps(cfg))     # no weights: must fail on config alone
     with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace(")", r"\)")):
-        Dr.load_drafter(str(tmp_path), target.args)
+        C.load_drafter(str(tmp_path), target.args)
 
 
 @pytest.mark.parametrize("edit, msg", [
@@ -355,21 +355,21 @@ def test_incompatible_drafter_rejected_before_loading(tmp_path, target, over, ms
     (lambda c: c.update(architectures=["DFlash2DraftModel"]), "architectures"),
 ])
 def test_malformed_config_names_file_and_field(tmp_path, target, edit, msg):
-    cfg = Dr.tiny_draft_config(target.args)
+    cfg = C.tiny_draft_config(target.args)
     cfg["dflash_config"] = dict(cfg["dflash_config"])
     edit(cfg)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=msg) as e:
-        Dr.DraftArgs.from_config(str(tmp_path))
+        C.draft_args(str(tmp_path))
     assert str(path) in str(e.value)
 
 
 def test_rope_parameters_spelling_and_defaults(target):
-    cfg = Dr.tiny_draft_config(target.args)
+    cfg = C.tiny_draft_config(target.args)
     rope = dict(cfg.pop("rope_scaling"), rope_theta=cfg.pop("rope_theta"))
     cfg.pop("head_dim")
-    a = Dr.DraftArgs.from_config(dict(cfg, rope_parameters=rope))          # transformers 5 spelling
+    a = C.draft_args(dict(cfg, rope_parameters=rope))          # transformers 5 spelling
     assert a.rope_type == "yarn" and a.rope_theta == 50000.0 and a.head_dim == 64 // 4
 
 
@@ -384,12 +384,12 @@ def test_bad_tensors_named(tmp_path, target):
         "unexpected": (dict(W, **{"embed_tokens.weight": torch.zeros(96, 64)}), "unexpected tensor embed_tokens.weight"),
     }
     for name, (state, msg) in cases.items():
-        Dr.write_drafter(str(tmp_path / name), state, cfg)
-        with pytest.raises(Dr.CheckpointError, match=msg):
-            Dr.load_drafter(str(tmp_path / name), target.args)
+        C.write_drafter(str(tmp_path / name), state, cfg)
+        with pytest.raises(C.CheckpointError, match=msg):
+            C.load_drafter(str(tmp_path / name), target.args)
     # an optional `model.` prefix loads to the same weights
-    Dr.write_drafter(str(tmp_path / "prefixed"), {"model." + k: v for k, v in W.items()}, cfg)
-    d = Dr.load_drafter(str(tmp_path / "prefixed"), target.args)
+    C.write_drafter(str(tmp_path / "prefixed"), {"model." + k: v for k, v in W.items()}, cfg)
+    d = C.load_drafter(str(tmp_path / "prefixed"), target.args)
     assert all(torch.equal(p, W[k]) for k, p in C.checkpoint_tensors(d).items())
 
 
@@ -400,18 +400,18 @@ def test_nonfinite_weights_named_at_load(tmp_path, target, key, value):
     naming the tensor and its file, as for the target; a sharded drafter names the right shard."""
     cfg, W = make_ckpt(tmp_path / "ok", target.args)
     W[key].view(-1)[1] = value
-    Dr.write_drafter(str(tmp_path / "bad"), W, cfg)
-    with pytest.raises(Dr.CheckpointError, match=f"^tensor {key} in model.safetensors holds NaN or inf$"):
-        Dr.load_drafter(str(tmp_path / "bad"), target.args)
-    Dr.write_drafter(str(tmp_path / "sharded"), W, cfg, n_shards=3)
+    C.write_drafter(str(tmp_path / "bad"), W, cfg)
+    with pytest.raises(C.CheckpointError, match=f"^tensor {key} in model.safetensors holds NaN or inf$"):
+        C.load_drafter(str(tmp_path / "bad"), target.args)
+    C.write_drafter(str(tmp_path / "sharded"), W, cfg, n_shards=3)
     shard = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"][key]
-    with pytest.raises(Dr.CheckpointError, match=f"^tensor {key} in {shard} holds NaN or inf$"):
-        Dr.load_drafter(str(tmp_path / "sharded"), target.args)
+    with pytest.raises(C.CheckpointError, match=f"^tensor {key} in {shard} holds NaN or inf$"):
+        C.load_drafter(str(tmp_path / "sharded"), target.args)
 
 
 def test_cache_overflow_and_setup_required(tmp_path, target):
     cfg, _ = make_ckpt(tmp_path, target.args)
-    d = Dr.load_drafter(str(tmp_path), target.args)
+    d = C.load_drafter(str(tmp_path), target.args)
     blk, feats = torch.zeros(1, 4, 64), torch.zeros(1, 3, 128)
     with pytest.raises(RuntimeError, match="setup_cache"):
         d.cached_forward(blk, feats, *lens(1, 0, 3))

@@ -138,7 +138,7 @@ TARGET_CASES = [   # (field path, bad value, words the error must hold)
 
 @pytest.mark.parametrize("field,value,words", TARGET_CASES, ids=[f"{f}={v!r}" for f, v, _ in TARGET_CASES])
 def test_bad_target_config_names_file_and_field(tmp_path, field, value, words):
-    msg = config_error(tmp_path, tiny.text_config(), field, value, M.ModelArgs.from_config)
+    msg = config_error(tmp_path, tiny.text_config(), field, value, C.model_args)
     assert field.split(".")[-1] in msg and words in msg, msg
 
 
@@ -176,7 +176,7 @@ def test_bad_nested_config(tmp_path, edit, words):
     edit(cfg)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError) as e:
-        M.ModelArgs.from_config(str(tmp_path))
+        C.model_args(str(tmp_path))
     assert str(tmp_path / "config.json") in str(e.value) and words in str(e.value), str(e.value)
 
 
@@ -189,7 +189,7 @@ def test_bad_nested_config(tmp_path, edit, words):
 def test_config_file_that_is_not_an_object(tmp_path, content, words):
     (tmp_path / "config.json").write_bytes(content)
     with pytest.raises(ValueError, match=re.escape(str(tmp_path / "config.json")) + ".*" + words):
-        M.ModelArgs.from_config(str(tmp_path))
+        C.model_args(str(tmp_path))
 
 
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json", "tokenizer_config.json"])
@@ -208,10 +208,10 @@ def test_hyperparameters_are_read_not_guessed():
     """A value the file gives is used as given: no `or default` that turns a 0 into 32."""
     cfg = tiny.text_config()
     cfg["rope_scaling"].pop("beta_fast")
-    assert M.ModelArgs.from_config(cfg).beta_fast == 32.0             # absent: transformers' documented default
+    assert C.model_args(cfg).beta_fast == 32.0             # absent: transformers' documented default
     cfg["rope_scaling"]["beta_fast"] = 0
     with pytest.raises(ValueError, match="beta_fast = 0"):
-        M.ModelArgs.from_config(cfg)
+        C.model_args(cfg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,15 +245,15 @@ DRAFT_CASES = [
 
 @pytest.mark.parametrize("field,value,words", DRAFT_CASES, ids=[f"{f}={v!r}" for f, v, _ in DRAFT_CASES])
 def test_bad_drafter_config_names_file_and_field(tmp_path, field, value, words):
-    cfg = dflash.tiny_draft_config(M.ModelArgs.from_config(tiny.text_config()))
-    assert words in config_error(tmp_path, cfg, field, value, dflash.DraftArgs.from_config)
+    cfg = C.tiny_draft_config(C.model_args(tiny.text_config()))
+    assert words in config_error(tmp_path, cfg, field, value, C.draft_args)
 
 
 def test_drafter_block_size_must_fit_the_target():
-    target = M.ModelArgs.from_config(tiny.text_config(max_position_embeddings=16))
-    d = dflash.DraftArgs.from_config(dflash.tiny_draft_config(target, block_size=32))
+    target = C.model_args(tiny.text_config(max_position_embeddings=16))
+    d = C.draft_args(C.tiny_draft_config(target, block_size=32))
     with pytest.raises(ValueError, match="block_size = 32 is more than the target's max_position_embeddings = 16"):
-        dflash.check_compatible(d, target)
+        C.check_drafter_compatible(d, target)
 
 
 def test_huge_drafter_block_size_refused_before_loading(ckpt, tmp_path, capsys, monkeypatch):
@@ -892,7 +892,7 @@ def test_written_files_get_the_umask_permissions(ckpt, tmp_path):
     cfg = json.loads((ckpt / "draft" / "config.json").read_text())
     old = os.umask(0o022)
     try:
-        dflash.write_drafter(str(tmp_path / "d"), dflash.DFlashDrafter(dflash.DraftArgs.from_config(cfg)), cfg)
+        C.write_drafter(str(tmp_path / "d"), dflash.DFlashDrafter(C.draft_args(cfg)), cfg)
     finally:
         os.umask(old)
     for name in ("model.safetensors", "config.json"):
@@ -1062,7 +1062,7 @@ def test_values_that_int_refuses_name_file_and_field(ckpt, tmp_path, capsys):
     cfg.write_text(json.dumps(tiny.text_config()).replace('"hidden_size": 64', '"hidden_size": ' + "9" * 5000))
     with pytest.raises(ValueError, match=re.escape(f"{cfg}: field hidden_size = a 5000-digit integer: expected an "
                                                    f"integer >= 1")):
-        M.ModelArgs.from_config(str(tmp_path))
+        C.model_args(str(tmp_path))
     (tmp_path / "second").mkdir()
     tok = tokenizer_dir(ckpt, tmp_path / "second")
     (tok / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 10**6]}))

@@ -158,7 +158,7 @@ def test_sampling_distribution_matches_target():
 @pytest.fixture(scope="module")
 def real_drafter(target):
     import draft as dflash
-    d = dflash.DFlashDrafter(dflash.DraftArgs.from_config(dflash.tiny_draft_config(target.args)))
+    d = dflash.DFlashDrafter(C.draft_args(C.tiny_draft_config(target.args)))
     tiny.randomize_(d, seed=5, std=0.3)
     return d
 

@@ -25,9 +25,9 @@ CFG = dict(kv_lora_rank=32, qk_rope_head_dim=16, moe_intermediate_size=64, hidde
 
 def _pair(tmp_path, dtype):
     ref = tiny.write_k26(tmp_path, tiny.text_config(**CFG), seed=3)
-    target = C.build(lambda: M.Transformer(M.ModelArgs.from_config(tmp_path)), "cuda", dtype)
+    target = C.build(lambda: M.Transformer(C.model_args(tmp_path)), "cuda", dtype)
     C.load_checkpoint(target, str(tmp_path))
-    d = C.build(lambda: dflash.DFlashDrafter(dflash.DraftArgs.from_config(dflash.tiny_draft_config(ref.args, head_dim=32))),
+    d = C.build(lambda: dflash.DFlashDrafter(C.draft_args(C.tiny_draft_config(ref.args, head_dim=32))),
                 "cpu", dtype).cuda()   # head_dim 32: its kernels' sizes
     tiny.randomize_(d, seed=5, std=0.3)
     return target.eval(), d.to(dtype)
@@ -108,7 +108,7 @@ def test_compiled_bf16_keeps_acceptance():
     import bench
     dev = torch.device("cuda")
     target = C.load_model(G.BUNDLED_TARGET, dev, torch.bfloat16, progress=False)
-    drafter = dflash.load_drafter(G.BUNDLED_DRAFT, target.args, dev, torch.bfloat16)
+    drafter = C.load_drafter(G.BUNDLED_DRAFT, target.args, dev, torch.bfloat16)
     prompts = bench.encode_prompts(bench.load_prompts(bench.PROMPTS_FILE, 2), G.BUNDLED_TARGET,
                                    target.args.vocab_size, False)[0]
     accept = {}

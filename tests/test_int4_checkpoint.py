@@ -198,7 +198,7 @@ def test_compressed_tensors_checkpoint_loads(tmp_path, nested):
     assert any((unpack_from_int32(t, 4, torch.Size(tensors[n[:-6] + "shape"].tolist())) == -8).any()
                for n, t in tensors.items() if n.endswith("weight_packed"))
 
-    args = M.ModelArgs.from_config(ckpt)                  # reads compressed-tensors' own quantization_config
+    args = C.model_args(ckpt)                  # reads compressed-tensors' own quantization_config
     assert args.quant is not None and args.quant.group_size == 32 and args.nested == nested
     ours = M.Transformer(args)
     C.load_checkpoint(ours, str(ckpt))
@@ -255,7 +255,7 @@ def test_our_writer_matches_compressed_tensors(tmp_path, dtype):
                 assert ours[name].dtype == t.dtype and torch.equal(ours[name], t), name   # same int32 words
     models = []
     for d in (ct_dir, our_dir):
-        m = M.Transformer(M.ModelArgs.from_config(d))
+        m = M.Transformer(C.model_args(d))
         C.load_checkpoint(m, str(d))
         models.append(m)
     a, b = (dict(m.named_parameters()) for m in models)
@@ -290,7 +290,7 @@ def status(key):
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
 M.set_tp(ws, 0)
-m = M.Transformer(M.ModelArgs.from_config(path))
+m = M.Transformer(C.model_args(path))
 param_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
 try:
     open("/proc/self/clear_refs", "w").write("5")       # VmHWM := current RSS (best effort)
@@ -354,14 +354,14 @@ def test_tp2_reads_half(big_ckpt):
                 if n.startswith(("vision_tower.", "mm_projector.")) or n.endswith("weight_shape"):
                     t = f.get_tensor(n)
                     skipped += t.numel() * t.element_size()
-    full_model = M.Transformer(M.ModelArgs.from_config(big_ckpt))
+    full_model = M.Transformer(C.model_args(big_ckpt))
     full = C.load_checkpoint(full_model, str(big_ckpt))["bytes_read"]
     assert full == index["metadata"]["total_size"] - skipped          # every text tensor read once, whole
     parts = []
     try:
         for r in (0, 1):
             M.set_tp(2, r)
-            m = M.Transformer(M.ModelArgs.from_config(big_ckpt))
+            m = M.Transformer(C.model_args(big_ckpt))
             got = C.load_checkpoint(m, str(big_ckpt))["bytes_read"]
             assert got == sum(p.numel() * p.element_size() for p in m.parameters())
             replicated = sum(p.numel() * p.element_size() for p in m.parameters()
@@ -389,7 +389,7 @@ def test_tp2_reads_half(big_ckpt):
 
 
 def _load(path):
-    m = M.Transformer(M.ModelArgs.from_config(path))
+    m = M.Transformer(C.model_args(path))
     C.load_checkpoint(m, str(path))
 
 
@@ -539,7 +539,7 @@ def test_compressed_tensors_asymmetric_or_8bit_rejected(tmp_path, weights, patte
     if weights.get("symmetric") is False:
         assert any(n.endswith("weight_zero_point") for n in names)
     with pytest.raises(ValueError) as e:
-        M.ModelArgs.from_config(tmp_path)
+        C.model_args(tmp_path)
     msg = str(e.value)
     assert str(tmp_path / "config.json") in msg and pattern in msg, msg
 

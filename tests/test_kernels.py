@@ -166,7 +166,7 @@ def test_glue_kernels_stay_out_of_autograd_and_compile(monkeypatch):
 
 def tiny_moe(**over) -> M.MoE:
     """An INT4 MoE part of the tiny config (D = 64), weights uninitialized: for fits() only."""
-    return M.MoE(M.ModelArgs.from_config(C.k26_config(tiny.text_config(**over), 32)))
+    return M.MoE(C.model_args(C.k26_config(tiny.text_config(**over), 32)))
 
 
 def fits_cases():

@@ -38,7 +38,7 @@ def test_parity_with_transformers(tmp_path, over):
     hf.save_pretrained(tmp_path)
     saved = json.load(open(tmp_path / "config.json"))
     assert "rope_parameters" in saved          # transformers 5 spelling; our reader must accept it
-    ours = M.Transformer(M.ModelArgs.from_config(tmp_path))
+    ours = M.Transformer(C.model_args(tmp_path))
     C.load_checkpoint(ours, str(tmp_path))
     tokens = torch.randint(0, cfg["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -48,7 +48,7 @@ def test_parity_with_transformers(tmp_path, over):
 
 
 def test_yarn_softmax_scale_and_band():
-    args = M.ModelArgs.from_config(tiny.text_config(qk_rope_head_dim=64, qk_nope_head_dim=128, rope_scaling=dict(
+    args = C.model_args(tiny.text_config(qk_rope_head_dim=64, qk_nope_head_dim=128, rope_scaling=dict(
         type="yarn", factor=64.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
         mscale_all_dim=1.0)))
     mla = M.MLA(args)
@@ -74,7 +74,7 @@ def test_rope_inv_freq_is_transformers_yarn_bit_for_bit(dim, factor, L0, truncat
     hf = lambda **extra: ROPE_INIT_FUNCTIONS["yarn"](Qwen3Config(
         head_dim=dim, hidden_size=64, num_attention_heads=4, rope_theta=50000.0,
         max_position_embeddings=int(factor * L0), rope_scaling=dict(rope, **extra)), "cpu")
-    args = dataclasses.replace(M.ModelArgs.from_config(tiny.text_config()), rope_theta=50000.0,
+    args = dataclasses.replace(C.model_args(tiny.text_config()), rope_theta=50000.0,
                                rope_factor=factor, original_max_position_embeddings=L0, **ms)
     ref_inv, ref_af = hf(**ms) if mscales[0] else hf()
     inv, af = M.rope_inv_freq(args, dim, truncate)
@@ -212,7 +212,7 @@ def test_every_op_goes_through_the_switch(tmp_path, monkeypatch):
     """The layers call each op by its plain name, so one switch (kernels.ENABLED and the kernel's fits) decides
     for all of them: a cached INT4 forward reaches every op of the contract, and gives the same logits."""
     ref = tiny.write_k26(tmp_path, seed=9)
-    model = M.Transformer(M.ModelArgs.from_config(tmp_path))
+    model = M.Transformer(C.model_args(tmp_path))
     C.load_checkpoint(model, str(tmp_path))
     tokens = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(3))
     monkeypatch.setattr(kernels, "_HOST", {})          # want: the references as written, on the whole cache
@@ -275,7 +275,7 @@ def test_k26_int4_roundtrip(tmp_path):
     ref = tiny.write_k26(tmp_path, seed=5)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) == 3
-    args = M.ModelArgs.from_config(tmp_path)
+    args = C.model_args(tmp_path)
     assert args.nested and args.quant is not None and args.quant.group_size == 32
     model = M.Transformer(args)
     assert model.layers[1].mlp.experts.w13_packed.dtype == torch.int32     # packed in memory, never dequantized
@@ -289,7 +289,7 @@ def test_router_weight_is_fp32_in_a_bf16_model(tmp_path):
     """The router scores are fp32 (as in the reference); its weight is stored in fp32 even in a bf16 model, so
     the bf16 checkpoint tensor is upcast once at load, not on every step (the K2.6 router is 384 x 7168)."""
     tiny.write_k26(tmp_path, seed=5)
-    model = C.build(lambda: M.Transformer(M.ModelArgs.from_config(tmp_path)), "cpu", torch.bfloat16)
+    model = C.build(lambda: M.Transformer(C.model_args(tmp_path)), "cpu", torch.bfloat16)
     C.load_checkpoint(model, str(tmp_path))
     gate = model.layers[1].mlp.gate
     assert gate.weight.dtype == torch.float32 and model.layers[1].self_attn.o_proj.weight.dtype == torch.bfloat16
@@ -318,7 +318,7 @@ def test_loader_errors(tmp_path):
     tiny.write_k26(tmp_path, seed=6)
 
     def load():
-        model = M.Transformer(M.ModelArgs.from_config(tmp_path))
+        model = M.Transformer(C.model_args(tmp_path))
         C.load_checkpoint(model, str(tmp_path))
 
     pick = lambda k: lambda wm: next(n for n in wm if n.endswith(k))
@@ -359,26 +359,26 @@ def test_config_errors(tmp_path):
                        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type"),
                        ({"model_type": "llama"}, "model_type")]:
         with pytest.raises(ValueError, match=word):
-            M.ModelArgs.from_config(tiny.text_config(**over))
+            C.model_args(tiny.text_config(**over))
     cfg = tiny.text_config()
     del cfg["kv_lora_rank"]
     with pytest.raises(ValueError, match="kv_lora_rank"):
-        M.ModelArgs.from_config(cfg)
+        C.model_args(cfg)
     bad = C.k26_config(tiny.text_config())
     bad["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
     bad["text_config"]["quantization_config"] = bad["quantization_config"]
     with pytest.raises(ValueError, match="symmetric"):
-        M.ModelArgs.from_config(bad)
+        C.model_args(bad)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json"):
-        M.ModelArgs.from_config(tmp_path)
+        C.model_args(tmp_path)
 
 
 def test_missing_shard_named(tmp_path):
     tiny.write_k26(tmp_path, seed=7)
     victim = sorted(tmp_path.glob("model-*.safetensors"))[1]
     victim.unlink()
-    model = M.Transformer(M.ModelArgs.from_config(tmp_path))
+    model = M.Transformer(C.model_args(tmp_path))
     with pytest.raises(C.CheckpointError, match=victim.name):
         C.load_checkpoint(model, str(tmp_path))
 
@@ -393,7 +393,7 @@ def test_nonfinite_weights_named_at_load(tmp_path):
         backup = tensors[name].clone()
         tensors[name].view(-1)[3] = value
         save(tensors)
-        model = M.Transformer(M.ModelArgs.from_config(tmp_path))
+        model = M.Transformer(C.model_args(tmp_path))
         with pytest.raises(C.CheckpointError, match=f"tensor {name} in {fname} holds NaN or inf"):
             C.load_checkpoint(model, str(tmp_path))
         C.load_checkpoint(model, str(tmp_path), check_finite=False)      # loads as it is when asked
@@ -405,7 +405,7 @@ def test_nonfinite_weights_named_at_load(tmp_path):
 def test_missing_checkpoint_directory_named(tmp_path):
     """A checkpoint path that does not exist is named as such before anything tries to read from it."""
     missing = str(tmp_path / "no" / "such" / "ckpt")
-    for read in (lambda: M.ModelArgs.from_config(missing), lambda: C.load_checkpoint(None, missing)):
+    for read in (lambda: C.model_args(missing), lambda: C.load_checkpoint(None, missing)):
         with pytest.raises(FileNotFoundError, match=f"^checkpoint directory not found: {missing}$"):
             read()
 
@@ -429,7 +429,7 @@ def test_stacked_linears_hold_each_rank_slice_of_each_tensor(tmp_path):
                                                             for k in W)
     try:
         M.set_tp(2, 1)                                   # rank 1 of 2, no process group: only the loader runs
-        model = M.Transformer(M.ModelArgs.from_config(str(tmp_path)))
+        model = M.Transformer(C.model_args(str(tmp_path)))
         C.load_checkpoint(model, str(tmp_path))
     finally:
         M.set_tp(1, 0)

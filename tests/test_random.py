@@ -19,7 +19,7 @@ import model as M
 import tiny
 
 CFG = C.k26_config(tiny.text_config(moe_intermediate_size=128, intermediate_size=128))  # INT4, splits up to TP=4
-DRAFT = Dr.tiny_draft_config(M.ModelArgs.from_config(CFG), num_attention_heads=8, num_key_value_heads=4,
+DRAFT = C.tiny_draft_config(C.model_args(CFG), num_attention_heads=8, num_key_value_heads=4,
                              attention_bias=True)
 F32 = torch.float32
 
@@ -44,7 +44,7 @@ def written(tmp_path_factory):
     target, drafter = _pair()
     tdir, ddir = tmp_path_factory.mktemp("random_k26"), tmp_path_factory.mktemp("random_dflash")
     C.save_checkpoint(C.hf_state_dict(target, int4=True), CFG, str(tdir))
-    Dr.write_drafter(str(ddir), drafter, DRAFT)
+    C.write_drafter(str(ddir), drafter, DRAFT)
     return str(tdir), str(ddir)
 
 
@@ -56,12 +56,12 @@ def test_each_rank_holds_what_the_loader_fills(written, ws):
     try:
         for r in range(ws):
             M.set_tp(ws, r)
-            loaded = M.Transformer(M.ModelArgs.from_config(tdir))
+            loaded = M.Transformer(C.model_args(tdir))
             C.load_checkpoint(loaded, tdir)
             target, drafter = _pair()
             assert target.layers[1].mlp.experts.inter == 128 // ws
             _same_params(target, loaded)
-            _same_params(drafter, Dr.load_drafter(ddir, loaded.args))
+            _same_params(drafter, C.load_drafter(ddir, loaded.args))
     finally:
         M.set_tp(1, 0)
 
@@ -133,7 +133,7 @@ def _worker(r, ws, port, tokens, out_dir):
                       LOCAL_RANK=str(r))
     torch.set_num_threads(1)
     torch.set_default_dtype(F32)
-    M.init_distributed(timeout_s=120, device="cpu")
+    cli.init_distributed(timeout_s=120, device="cpu")
     try:
         torch.save(_run(tokens), os.path.join(out_dir, f"r{r}.pt"))
     finally:

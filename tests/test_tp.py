@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import checkpoint as C
+import cli
 import draft as Dr
 import model as M
 import tiny
@@ -31,12 +32,12 @@ def _worker(r, ws, port, ckpt, draft_dir, out_dir, tokens):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(ws), RANK=str(r),
                       LOCAL_RANK=str(r))
     torch.set_num_threads(1)
-    M.init_distributed(timeout_s=120, device="cpu")
+    cli.init_distributed(timeout_s=120, device="cpu")
     try:
         import generate as G
         from test_generate import StubDrafter
         torch.set_default_dtype(torch.float32)
-        model = M.Transformer(M.ModelArgs.from_config(ckpt))
+        model = M.Transformer(C.model_args(ckpt))
         stats = C.load_checkpoint(model, ckpt)
         with torch.no_grad():
             logits = model(tokens).logits
@@ -54,7 +55,7 @@ def _drafter_run(model, draft_dir, tokens) -> dict:
     ids (eager loop and fixed-shape steps; then --budget auto, whose choices every rank must share, else their
     collectives would not match), and this rank's parameter bytes (all / replicated ones)."""
     import generate as G
-    d = Dr.load_drafter(draft_dir, model.args).eval()
+    d = C.load_drafter(draft_dir, model.args).eval()
     with torch.no_grad():
         _, feats = model(tokens[:, :-1], hidden_layers=d.target_layer_ids)             # [B, T-1, n_taps*D]
     d.setup_cache(tokens.shape[0], 32)
@@ -85,10 +86,10 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tp_draft")
-    cfg = Dr.tiny_draft_config(M.ModelArgs.from_config(tiny.text_config(**CFG)), **DRAFT)
-    drafter = Dr.DFlashDrafter(Dr.DraftArgs.from_config(cfg))
+    cfg = C.tiny_draft_config(C.model_args(tiny.text_config(**CFG)), **DRAFT)
+    drafter = Dr.DFlashDrafter(C.draft_args(cfg))
     tiny.randomize_(drafter, seed=22, std=0.2)
-    Dr.write_drafter(str(d), drafter, cfg, n_shards=2)
+    C.write_drafter(str(d), drafter, cfg, n_shards=2)
     return str(d)
 
 
@@ -128,19 +129,19 @@ def test_tp_matches_single_rank(ckpt, draft_dir, tokens, ref, tmp_path, ws):
 
 
 def test_divisibility_checked_up_front():
-    args = M.ModelArgs.from_config(tiny.text_config())
+    args = C.model_args(tiny.text_config())
     with pytest.raises(ValueError, match="num_attention_heads=4"):
         M.check_tp_divisibility(args, 8)
     with pytest.raises(ValueError, match="moe_intermediate_size=32"):
-        M.check_tp_divisibility(M.ModelArgs.from_config(C.k26_config(tiny.text_config())), 2)
-    dcfg = Dr.tiny_draft_config(args)                    # 4 q heads, 2 kv heads, intermediate 128
-    dargs = Dr.DraftArgs.from_config(dcfg)
+        M.check_tp_divisibility(C.model_args(C.k26_config(tiny.text_config())), 2)
+    dcfg = C.tiny_draft_config(args)                    # 4 q heads, 2 kv heads, intermediate 128
+    dargs = C.draft_args(dcfg)
     with pytest.raises(ValueError, match="does not divide drafter num_key_value_heads=2"):
-        Dr.check_tp_divisibility(dargs, 4)
+        M.check_tp_divisibility(dargs, 4)
     with pytest.raises(ValueError, match="drafter num_attention_heads=4"):
-        Dr.check_tp_divisibility(dargs, 8)
+        M.check_tp_divisibility(dargs, 8)
     with pytest.raises(ValueError, match="drafter intermediate_size=129"):
-        Dr.check_tp_divisibility(Dr.DraftArgs.from_config(dict(dcfg, intermediate_size=129)), 2)
+        M.check_tp_divisibility(C.draft_args(dict(dcfg, intermediate_size=129)), 2)
     M.set_tp(4, 0)                                       # building the drafter checks before allocating
     try:
         with pytest.raises(ValueError, match="tensor parallel size 4 does not divide drafter num_key_value_heads"):
@@ -152,8 +153,8 @@ def test_divisibility_checked_up_front():
 RANK_SCRIPT = """
 import os, sys, time, torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
-import model as M
-M.init_distributed(timeout_s=15, device="cpu")
+import cli, model as M
+cli.init_distributed(timeout_s=15, device="cpu")
 if M.rank == 1:
     os._exit(3)                      # a rank dies without a word
 try:
@@ -198,12 +199,12 @@ def test_init_distributed_backend_follows_device(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert M.init_distributed(device="cpu") == torch.device("cpu") and calls == ["gloo"]
+    assert cli.init_distributed(device="cpu") == torch.device("cpu") and calls == ["gloo"]
     assert (M.world_size, M.rank) == (2, 1)
     calls.clear()
-    assert M.init_distributed() == torch.device("cuda", 1) and calls == ["cuda:1", "nccl"]
+    assert cli.init_distributed() == torch.device("cuda", 1) and calls == ["cuda:1", "nccl"]
     calls.clear()
-    assert M.init_distributed(device="cuda") == torch.device("cuda", 1) and calls == ["cuda:1", "nccl"]
+    assert cli.init_distributed(device="cuda") == torch.device("cuda", 1) and calls == ["cuda:1", "nccl"]
     calls.clear()
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert M.init_distributed(device="cpu") == torch.device("cpu") and calls == []
+    assert cli.init_distributed(device="cpu") == torch.device("cpu") and calls == []

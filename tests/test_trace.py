@@ -64,7 +64,7 @@ class Page(HTMLParser):
 def pair():
     cpu = torch.device("cpu")
     target = C.load_model(G.BUNDLED_TARGET, cpu, torch.float32, progress=False)
-    return target, dflash.load_drafter(G.BUNDLED_DRAFT, target.args, cpu, torch.float32), \
+    return target, C.load_drafter(G.BUNDLED_DRAFT, target.args, cpu, torch.float32), \
         Tokenizer.from_dir(G.BUNDLED_TARGET)
 
 

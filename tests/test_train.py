@@ -20,6 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkpoint as C
 import draft as dflash
 import model as M
 import tokenizer as tk
@@ -66,7 +67,7 @@ def test_tokenizer_export_matches_bpe(corpus):
 def _target(corpus, seed=0, **over):
     torch.manual_seed(seed)
     cfg = TR.target_config(dict(P, **over), corpus[3].num_base_tokens)
-    model = M.Transformer(M.ModelArgs.from_config(cfg))
+    model = M.Transformer(C.model_args(cfg))
     TR.init_weights_(model, P["layers"])
     return model, cfg
 
@@ -121,7 +122,7 @@ def test_dense_experts_equal_reference():
         outs.append((y, *grads))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    model = M.Transformer(M.ModelArgs.from_config(TR.target_config(P, 256)))
+    model = M.Transformer(C.model_args(TR.target_config(P, 256)))
     randomize_(model)
     tokens = torch.randint(0, 512, (2, 16))
     with torch.no_grad(), TR.expert_forward(model, dense=True):
@@ -135,7 +136,7 @@ def _random_pair(corpus, layers: int, draft_layers: int):
     target, _ = _target(corpus, layers=layers)
     randomize_(target, seed=1)
     dcfg = TR.drafter_config(dict(P, draft_layers=draft_layers), target.args, corpus[3].num_base_tokens)
-    drafter = dflash.DFlashDrafter(dflash.DraftArgs.from_config(dcfg))
+    drafter = dflash.DFlashDrafter(C.draft_args(dcfg))
     randomize_(drafter, seed=2)
     return target, drafter
 
@@ -220,7 +221,7 @@ def test_main_end_to_end(first_run):
     assert set(r["stage_seconds"]) == STAGES and all(s >= 0 for s in r["stage_seconds"].values())
     assert "n/a" not in (out / "model_card.md").read_text()
     tok = tk.Tokenizer.from_dir(out / "tiny-k2")
-    assert tok.vocab_size == M.ModelArgs.from_config(str(out / "tiny-k2")).vocab_size
+    assert tok.vocab_size == C.model_args(str(out / "tiny-k2")).vocab_size
 
 
 def _same_files(a: Path, b: Path) -> None:
@@ -295,14 +296,14 @@ def test_target_from_rejects_a_dir_that_is_not_an_export(tmp_path):
 
 def test_gpu_preset_fits_tp_kernels_and_size_budget():
     p = TR.PRESETS["gpu"]
-    args = M.ModelArgs.from_config(TR.target_config(p, p["bpe_vocab"]))
+    args = C.model_args(TR.target_config(p, p["bpe_vocab"]))
     for ws in (1, 2, 4, 8):
         M.check_tp_divisibility(args, ws)                           # raises if a TP size cannot split it
     for n in (args.kv_lora_rank, args.qk_rope_head_dim):            # kernels.mla_attention's rule
         assert n >= 16 and n & (n - 1) == 0
     with torch.device("meta"):
         target = M.Transformer(args)
-        drafter = dflash.DFlashDrafter(dflash.DraftArgs.from_config(TR.drafter_config(p, args, p["bpe_vocab"])))
+        drafter = dflash.DFlashDrafter(C.draft_args(TR.drafter_config(p, args, p["bpe_vocab"])))
     experts = sum(t.numel() for n, t in target.named_parameters() if ".experts." in n)
     dense = sum(t.numel() for t in target.parameters()) - experts + sum(t.numel() for t in drafter.parameters())
     size = 2 * dense + experts * (0.5 + 2 / TR.GROUP)              # bf16; INT4 + one bf16 scale per group

@@ -41,7 +41,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.15) -> None
 
 
 def random_model(cfg: dict, seed: int = 0) -> "M.Transformer":
-    model = M.Transformer(M.ModelArgs.from_config(cfg))
+    model = M.Transformer(C.model_args(cfg))
     randomize_(model, seed)
     return model
 
@@ -74,10 +74,10 @@ def write_cli_pair(d, cfg: dict, seed: int):
     write_tiktoken_model(d / "tiktoken.model", {bytes([i]): i for i in range(256)})
     write_tokenizer_config(d / "tokenizer_config.json", KIMI_SPECIAL_TOKENS(256))
     write_chat_template(d)
-    dcfg = dflash.tiny_draft_config(ref.args)
-    drafter = dflash.DFlashDrafter(dflash.DraftArgs.from_config(dcfg))
+    dcfg = C.tiny_draft_config(ref.args)
+    drafter = dflash.DFlashDrafter(C.draft_args(dcfg))
     randomize_(drafter, seed=4, std=0.2)
-    dflash.write_drafter(str(d / "draft"), drafter, dcfg)
+    C.write_drafter(str(d / "draft"), drafter, dcfg)
     return d
 
 
