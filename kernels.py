@@ -1293,17 +1293,18 @@ def _moe_fits(self, x) -> bool:
 @torch.compiler.disable
 def moe_local(self, x):
     gate, ex, x = self.gate, self.experts, x.contiguous()
-    side = _side_stream(x.device) if x.is_cuda else None                     # (the interpreter: one CPU stream)
-    with torch.cuda.stream(side) if side else contextlib.nullcontext():
-        if side:
-            side.wait_stream(torch.cuda.current_stream(x.device))           # x is ready
+    main = torch.cuda.current_stream(x.device) if x.is_cuda else None      # (the interpreter: one CPU stream)
+    side = _side_stream(x.device) if main is not None else None
+    if side is not None:
+        side.wait_stream(main)                                               # x is ready
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         shared = self.shared_experts(x)
     w, ids, pairs, prep = _route(x, gate.weight, gate.e_score_correction_bias, gate.top_k, gate.norm, gate.scale,
                                  prep=_gemv_wins(x, x.shape[0] * gate.top_k))
     y = _routed(x, ids, w, ex.w13_packed, ex.w13_scale, ex.w2_packed, ex.w2_scale, ex.quant.group_size, pairs, prep)
-    if side:
-        torch.cuda.current_stream(x.device).wait_stream(side)
-        shared.record_stream(torch.cuda.current_stream(x.device))            # made on the side stream, freed here
+    if side is not None:
+        main.wait_stream(side)
+        shared.record_stream(main)                                           # made on the side stream, freed here
     return _sum_pairs(y, x.shape[0], gate.top_k, shared.contiguous())
 
 

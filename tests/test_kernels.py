@@ -14,6 +14,7 @@ import inspect
 import math
 import os
 import subprocess
+import types
 import sys
 from pathlib import Path
 
@@ -934,3 +935,54 @@ def test_kernels_under_triton_interpreter():
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, report
     assert "passed" in proc.stdout and "skipped" not in proc.stdout, report
+
+
+def test_moe_part_stream_order(monkeypatch):
+    """The MoE launcher's two streams, with stand-ins (no GPU here): the side stream first waits for the main one
+    (x is ready), the shared experts run on the side stream while the routed launches go on the main one, then the
+    main stream waits for the side one before the sum reads the shared output, which is recorded on the main stream
+    (freed there). A wait taken inside the side stream's context would be the side stream waiting on itself."""
+    log, current = [], []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits for {other.name}")
+
+    main, side = Stream("main"), Stream("side")
+    current.append(main)
+
+    class StreamContext:
+        def __init__(self, s):
+            self.s = s
+
+        def __enter__(self):
+            current.append(self.s)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    class Shared:                                       # the shared experts' output
+        def record_stream(self, s):
+            log.append(f"shared recorded on {s.name}")
+
+        def contiguous(self):
+            return self
+
+    x = types.SimpleNamespace(is_cuda=True, device="cuda:0", shape=(3, 8), dtype=torch.bfloat16, contiguous=lambda: x)
+    moe = types.SimpleNamespace(
+        gate=types.SimpleNamespace(weight=None, e_score_correction_bias=None, top_k=2, norm=True, scale=1.0),
+        experts=types.SimpleNamespace(w13_packed=None, w13_scale=None, w2_packed=None, w2_scale=None,
+                                      quant=types.SimpleNamespace(group_size=32)),
+        shared_experts=lambda x: log.append(f"shared experts on {current[-1].name}") or Shared())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    monkeypatch.setattr(kernels, "_side_stream", lambda device: side)
+    monkeypatch.setattr(kernels, "_route", lambda *a, **k: log.append(f"route on {current[-1].name}") or (0, 0, 0, 0))
+    monkeypatch.setattr(kernels, "_routed", lambda *a, **k: log.append(f"experts on {current[-1].name}"))
+    monkeypatch.setattr(kernels, "_sum_pairs", lambda y, T, K, shared: log.append(f"sum on {current[-1].name}"))
+    kernels._KERNELS["MoE.local"][1](moe, x)
+    assert log == ["side waits for main", "shared experts on side", "route on main", "experts on main",
+                   "main waits for side", "shared recorded on main", "sum on main"], log
