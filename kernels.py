@@ -767,9 +767,9 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
 # sums the slices, applies SwiGLU, packs h for stage 2 (down, x routing weight).
 # Many pairs (MOE_MMA_MIN_PAIRS on: batches, prefill) and fp32 activations: one grouped W4A16 kernel, launched for
 # gate | up and for down: each weight tile is dequantized in registers once and meets all its expert's pairs
-# (BLOCK_M at a time) in tensor-core dots; the down launch forms SwiGLU(gate, up) as it loads its A. The interpreter (CPU tests) cannot
-# run PTX: there the GEMV uses _dequant_dot_portable, the same data in plain Triton. Per-pair buffers, no atomics:
-# the same bits each run.
+# (BLOCK_M at a time) in tensor-core dots; the down launch forms SwiGLU(gate, up) as it loads its A.
+# The interpreter (CPU tests) cannot run PTX: there the GEMV uses _dequant_dot_portable, the same data in plain
+# Triton. Per-pair buffers, no atomics: the same bits each run.
 
 MOE_GEMV_BLOCKS = dict(gate_up=dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=2),    # BLOCK_W int32 words
                        down=dict(BLOCK_N=64, BLOCK_W=64, num_warps=4, num_stages=2))        # = 8 * BLOCK_W columns
