@@ -819,10 +819,16 @@ def step_inputs(args: M.ModelArgs, T: int, ctx: int, tree: str, device, dtype, s
 
 
 def layer_step(block: M.Block, s: dict, cache: torch.Tensor, r: bool = True):
-    """One layer's decode / verify step as Transformer.forward runs it (absorbed MLA, per-forward inputs given): the
-    previous layer's MLP output s["r"] added first (r=False: none, the input is s["x"] alone). Returns (x, MLP out)."""
-    return lambda: block(s["x"], s["r"] if r else None, s["cos"], s["sin"], cache, s["start"], s["mask"], True,
-                         s["slots"])
+    """One layer's decode / verify step as the layer stack runs it (kernels.deferred_block; absorbed MLA, per-forward
+    inputs given): the previous layer's MLP output s["r"] added first (r=False: none, the input is s["x"] alone).
+    Returns (x, MLP out), whose sum is the layer's output."""
+    return lambda: kernels.deferred_block(block, s["x"], s["r"] if r else None, s["cos"], s["sin"], cache, s["start"],
+                                          s["mask"], True, s["slots"])
+
+
+def sum_output(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """A layer's output from layer_step's (x, MLP out)."""
+    return x + r.to(x.dtype)
 
 
 def routed_ids(block: M.Block, step) -> torch.Tensor | None:
@@ -1089,8 +1095,14 @@ def rand_experts(E: int, D: int, I: int, group_size: int, dtype, device) -> tupl
 
 
 def _moe_call(x, ids, w, experts: tuple):
-    """The routed-expert kernel model.py runs (Triton on CUDA, the reference elsewhere)."""
-    return lambda: M.int4_experts(x, ids, w, *experts)
+    """The routed experts as model.py runs them (Triton on CUDA, the reference elsewhere)."""
+    module = C.int4_experts(*experts)
+    return lambda: module(x, w, ids)
+
+
+def _int4_ref(x, topk_ids, topk_weights, *weights):
+    """model.Experts.forward as written, on fused_moe_w4a16's arguments."""
+    return M.Experts.forward.ref(C.int4_experts(*weights), x, topk_weights, topk_ids)
 
 
 @torch.no_grad()
@@ -1308,7 +1320,7 @@ def peer_rows(block, args, hlayer, hc, kind: str, a, device, dtype) -> list[dict
                 past.crop(-T)           # back to ctx cached tokens: every call is the same step
                 return y
             step = layer_step(block, s, cache, r=False)
-            ours = lambda: M.residual(*step())          # the layer's output, as transformers' layer returns it
+            ours = lambda: sum_output(*step())          # the layer's output, as transformers' layer returns it
             err = rel_err(ours(), theirs())
             t_ours, t_graph, _ = time_step(ours, device, a.graph)
             t_peer = median_time(theirs, device)
@@ -1637,7 +1649,7 @@ def bench_kernels(a, device, dtype) -> dict:
             min_pairs, kernels.MOE_MMA_MIN_PAIRS = kernels.MOE_MMA_MIN_PAIRS, 10**9 if path == "gemv" else 0
             try:
                 rows.append(_kernel_row(f"{I:>5} {T:>3} {path:>4}", case, kernels.fused_moe_w4a16,
-                                        M.int4_experts.ref, tol, bw, device))
+                                        _int4_ref, tol, bw, device))
             finally:
                 kernels.MOE_MMA_MIN_PAIRS = min_pairs
         weights = None

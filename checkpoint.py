@@ -34,6 +34,7 @@ import re
 import resource
 import sys
 import time
+import types
 import zlib
 
 import torch
@@ -1083,6 +1084,18 @@ def random_model(config, device, dtype: torch.dtype, seed: int = 0) -> M.Transfo
     model = build(lambda: M.Transformer(args), device, dtype)
     randomize_(model, seed)
     return model.eval()
+
+
+def int4_experts(w13_packed, w13_scale, w2_packed, w2_scale, group_size: int = 32) -> M.Experts:
+    """A model.Experts holding these INT4 tensors (the layout load_checkpoint fills): the routed experts of one layer
+    for the kernel tests and bench.py, without a model around them."""
+    E, D, I = w13_packed.shape[0], w2_packed.shape[1], w2_packed.shape[2] * 8
+    args = types.SimpleNamespace(n_routed_experts=E, hidden_size=D, moe_intermediate_size=I * M.world_size)
+    experts = build(lambda: M.Experts(args, M.QuantArgs(group_size)), "meta", w13_scale.dtype)
+    for name, t in zip(("w13_packed", "w13_scale", "w2_packed", "w2_scale"),
+                       (w13_packed, w13_scale, w2_packed, w2_scale)):
+        setattr(experts, name, torch.nn.Parameter(t, requires_grad=False))
+    return experts
 
 
 def random_drafter(config, target_args: M.ModelArgs | None, device, dtype: torch.dtype, seed: int = 0):

@@ -207,11 +207,11 @@ class Layer(nn.Module):
         # Qwen3's SwiGLU is the target's dense MLP
         self.mlp = M.DenseMLP(a.hidden_size, a.intermediate_size)
 
+    @kernels.fast
     def forward(self, h, f, cos, sin, mask=None, cache: BlockCache | None = None) -> torch.Tensor:
         """h [B, N, D]: the block's residual stream; the rest as in Attention.forward"""
-        attn = self.self_attn(self.input_layernorm(h), f, cos, sin, mask, cache)
-        h, x = self.post_attention_layernorm.add(h, attn)                  # h + attn and its norm
-        return h + self.mlp(x)
+        h = h + self.self_attn(self.input_layernorm(h), f, cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DFlashDrafter(nn.Module):
@@ -384,7 +384,7 @@ def qkv_norm_rope(qkv, n_heads: int, n_kv: int, q_weight, k_weight, eps: float, 
 
 
 @kernels.fast
-def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=None):
+def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float):
     """GQA attention of the block's queries q [B, T, H, hd] over k_cache / v_cache [B, S, KV, hd],
     row b's keys s < prefix_len[b] + T (its context, then the block) -> [B, T, H, hd]. In fp32, as
     flash attention computes it; a kv head's G = H / KV query heads are one matmul's rows. Not
@@ -395,8 +395,7 @@ def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale: float, out=N
     visible = torch.arange(S, device=q.device) < (prefix_len + T)[:, None]   # [B, S]
     s = s.masked_fill(~visible[:, None, None], float("-inf"))
     o = torch.matmul(s.softmax(-1), v_cache.float().transpose(1, 2))         # [B, KV, G*T, hd]
-    o = o.view(B, H, T, hd).transpose(1, 2).to(q.dtype)                       # [B, T, H, hd]
-    return o if out is None else out.copy_(o)
+    return o.view(B, H, T, hd).transpose(1, 2).to(q.dtype)                   # [B, T, H, hd]
 
 
 # ==============================================================================================

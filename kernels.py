@@ -2,12 +2,15 @@
 Triton fast paths of nano-ddtree: each kernel computes what a plain PyTorch function of a stage file computes (its
 reference), in fewer launches or fewer bytes.
 
-    model.py   linear, rms_norm, add_rms_norm, rope, silu_mul, mla_latent_to_cache, mla_attention,
-               router_topk, int4_experts (launcher: fused_moe_w4a16); the MoE part, MoE.local (moe_local)
-    draft.py   qkv_norm_rope, block_attention;   tree.py  rank_topk, ddtree_search;   verify.py  accept, commit_kv
+    model.py   ops: linear, rms_norm, rope, mla_latent_to_cache, mla_attention, router_topk
+               parts: Transformer.blocks (each residual add fused into the next norm), MLA._absorbed, MLP.forward,
+               MoE.local (router, experts and shared experts as one launcher), Experts.forward (fused_moe_w4a16)
+    draft.py   ops: qkv_norm_rope, block_attention; part: Layer.forward
+    tree.py    rank_topk, ddtree_search;   verify.py  accept, commit_kv
 
-The one switch: a stage file marks its reference `@kernels.fast` (an op, or a block part's method: "MoE.local", whose
-launcher runs the part's kernels in its own order); this file registers a launcher under the same name
+The one switch: a stage file marks its reference `@kernels.fast`: an op, or a part's method ("MoE.local"), whose
+launcher runs the part's kernels in its own order, fused across the reference's op boundaries where that pays (a
+part's launcher calls the ops it keeps through _OPS, the same switch). This file registers a launcher under the name
 with `@register(name, fits=...)`, and a call goes to the launcher when ENABLED (--no-triton clears it) and fits(...)
 accepts the arguments (a CUDA tensor, shapes and dtypes the kernel handles, ...), else to its host path if it has
 one (section 0: the reference on fewer cache slots, on the CPU), else to the reference. Launcher, fits and reference
@@ -40,6 +43,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"   # kernels run on CPU t
 _KERNELS: dict = {}     # reference name -> (fits, launch): its Triton kernel
 _HOST: dict = {}        # reference name -> (fits, launch): its host path (section 0), tried after the kernel
 _REFS: dict = {}        # reference name -> the reference, which a host path calls on less data
+_OPS: dict = {}         # reference name -> its switch (what the stage file calls): a part's launcher calls its ops
 
 
 def fast(ref):
@@ -57,6 +61,7 @@ def fast(ref):
                 return k[1](*args, **kw)
         return ref(*args, **kw)
     dispatch.ref = ref
+    _OPS[name] = dispatch
     return dispatch
 
 
@@ -136,18 +141,17 @@ def _host(t: torch.Tensor) -> bool:
     return t.is_cpu and not torch.compiler.is_compiling()
 
 
-@register("mla_attention", host=True, fits=lambda q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale,
-          out=None: _host(cache))
-def _mla_attention_visible(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=None):
+@register("mla_attention", host=True, fits=lambda q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale:
+          _host(cache))
+def _mla_attention_visible(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale):
     S = int(prefix_len.max()) + q_lat.shape[1]                                  # past the last row's tree
-    return _REFS["mla_attention"](q_lat, q_pe, cache[:, :S], prefix_len, tree_mask, softmax_scale, out)
+    return _REFS["mla_attention"](q_lat, q_pe, cache[:, :S], prefix_len, tree_mask, softmax_scale)
 
 
-@register("block_attention", host=True, fits=lambda q, k_cache, v_cache, prefix_len, softmax_scale, out=None:
-          _host(q))
-def _block_attention_visible(q, k_cache, v_cache, prefix_len, softmax_scale, out=None):
+@register("block_attention", host=True, fits=lambda q, k_cache, v_cache, prefix_len, softmax_scale: _host(q))
+def _block_attention_visible(q, k_cache, v_cache, prefix_len, softmax_scale):
     S = int(prefix_len.max()) + q.shape[1]                                      # past the last row's block
-    return _REFS["block_attention"](q, k_cache[:, :S], v_cache[:, :S], prefix_len, softmax_scale, out)
+    return _REFS["block_attention"](q, k_cache[:, :S], v_cache[:, :S], prefix_len, softmax_scale)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -208,7 +212,7 @@ def rms_norm(x, weight, eps):
 
 
 # add_rms_norm: (s, y) = (x + r, rms_norm(x + r)), the residual add and the next norm (r: an MLP's output, an MoE's
-# in fp32, rounded to x's dtype first). Grid: one program per row. One read of x and r. Reference: model.add_rms_norm.
+# in fp32, rounded to x's dtype first). Grid: one program per row. One read of x and r. Reference: x + r, then model.rms_norm.
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, N, EPS: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
@@ -224,9 +228,12 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, N, EPS: tl.constexpr
     tl.store(y_ptr + row * N + cols, _scale(w, _normalize(s, N, EPS), y_ptr.dtype.element_ty), mask=mask)
 
 
-@register("add_rms_norm", fits=lambda x, r, weight, eps: (_glue(x) and r.shape == x.shape and r.dtype in (
-    x.dtype, torch.float32) and weight.shape == x.shape[-1:]))
+def _add_rms_norm_fits(x, r, weight) -> bool:
+    return _glue(x) and r.shape == x.shape and r.dtype in (x.dtype, torch.float32) and weight.shape == x.shape[-1:]
+
+
 def add_rms_norm(x, r, weight, eps):
+    # (x + r, rms_norm(x + r)): a residual add and the next norm; an fp32 r (the MoE's) rounds to x's dtype first
     N = x.shape[-1]
     x, r = x.contiguous(), r.contiguous()
     s = torch.empty_like(x)
@@ -278,7 +285,7 @@ def rope(x, cos, sin, interleaved=True):
 
 
 # silu_mul: SwiGLU's silu(g) * u, each op's rounding kept. Grid: (row, block of columns). Reads g and u in place
-# (the two halves of one gate|up GEMM output). Reference: model.silu_mul.
+# (the two halves of one gate|up GEMM output). Reference: F.silu(g) * u.
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
     _gdc(PDL)
@@ -292,8 +299,10 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, BLOCK: tl.const
     tl.store(y_ptr + row * N + cols, (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
 
 
-@register("silu_mul", fits=lambda g, u: (_glue(g) and g.shape == u.shape and g.dtype == u.dtype
-                                         and g.stride(-1) == u.stride(-1) == 1))
+def _silu_mul_fits(g, u) -> bool:
+    return _glue(g) and g.shape == u.shape and g.dtype == u.dtype and g.stride(-1) == u.stride(-1) == 1
+
+
 def silu_mul(g, u):
     N = g.shape[-1]
     g2, u2 = g.reshape(-1, N), u.reshape(-1, N)               # views when only the rows are strided
@@ -303,6 +312,15 @@ def silu_mul(g, u):
         _silu_mul_kernel[(g2.shape[0], triton.cdiv(N, BLOCK))](g2, u2, y, N, g2.stride(0), u2.stride(0), BLOCK=BLOCK,
                                                                 **_pdl(g.device))
     return y
+
+
+# A SwiGLU MLP's local part (model.MLP.forward: the dense MLP, the shared experts, the drafter's MLP): silu(gate) * up
+# is one launch between the two GEMMs, not two.
+@register("MLP.forward", fits=lambda self, x: _glue(x))
+def mlp(self, x):
+    gate, up = _OPS["linear"](x, self.gate_up_proj.weight).chunk(2, dim=-1)
+    h = silu_mul(gate, up) if _silu_mul_fits(gate, up) else F.silu(gate) * up
+    return _OPS["linear"](h, self.down_proj.weight)
 
 
 # mla_latent_to_cache: the new tokens' compressed-cache rows, cache[b, slots[b, t]] = (rms_norm(kv[..., :R]) *
@@ -535,23 +553,21 @@ def _merge_splits(o_part, lse_part, prefix_len, out, T: int, H: int, MIN_SPLIT: 
 ATTN_MAX_T = MASK_WORD_BITS      # each query row's tree-mask row is packed into one word
 
 
-def _mla_attention_fits(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=None):
+def _mla_attention_fits(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale):
     B, T, H, R = q_lat.shape
     return (_gpu(q_lat) and _pow2(R, 16) and _pow2(q_pe.shape[-1], 16) and q_lat.stride(-1) == 1
             and q_lat.dtype == q_pe.dtype == cache.dtype and cache.shape[0] >= B and cache.is_contiguous()
             and isinstance(prefix_len, torch.Tensor)
-            and tree_mask.dtype == torch.bool and T <= ATTN_MAX_T and tree_mask.stride(-1) == 1
-            and (out is None or out.is_contiguous()))
+            and tree_mask.dtype == torch.bool and T <= ATTN_MAX_T and tree_mask.stride(-1) == 1)
 
 
 # opaque to torch.compile: inductor would rebuild the kernels from their source; a graph break instead
 @register("mla_attention", fits=_mla_attention_fits)
 @torch.compiler.disable
-def mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=None):
+def mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale):
     (B, T, H, R), P = q_lat.shape, q_pe.shape[-1]
     q_pe, prefix_len = q_pe.contiguous(), prefix_len.contiguous()
-    if out is None:
-        out = torch.empty(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)
+    out = torch.empty(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)
     wide = T * H >= ATTN_WIDE["min_rows"]
     cfg = {k: ATTN_WIDE[k] for k in ATTN_BLOCKS} if wide else ATTN_BLOCKS
     waves = ATTN_WIDE["waves"] if wide else ATTN_SPLITS["waves"]
@@ -566,6 +582,21 @@ def mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, out=
         *tree_mask.stride()[:2], R=R, P=P, MIN_SPLIT=MIN_SPLIT, TREE=max(16, triton.next_power_of_2(T)), **cfg)
     _merge_splits(o_part, lse_part, prefix_len, out, T, H, MIN_SPLIT, BLOCK_S)
     return out
+
+
+# MLA's absorbed attention (model.MLA._absorbed): W_UV multiplies each head's o_lat straight into the [B, T, H, v]
+# rows o_proj reads (one bmm writing a strided view of them); the reference's einsum leaves [H, B*T, v] to copy.
+@register("MLA._absorbed", fits=lambda self, q_nope, q_pe, cache, start_pos, tree_mask: _glue(q_nope))
+def mla_absorbed(self, q_nope, q_pe, cache, start_pos, tree_mask):
+    (B, T, H, _), R, nope, v = q_nope.shape, self.kv_lora_rank, self.nope, self.v_dim
+    wkv_b = self.kv_b_proj.weight.view(H, nope + v, R)
+    q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :nope])                           # [B, T, H, R]
+    prefix = start_pos if torch.is_tensor(start_pos) else torch.full((B,), start_pos, device=q_nope.device)
+    o_lat = _OPS["mla_attention"](q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)
+    o = torch.empty(B, T, H, v, dtype=o_lat.dtype, device=o_lat.device)
+    torch.bmm(o_lat.reshape(B * T, H, R).transpose(0, 1), wkv_b[:, nope:].transpose(1, 2),
+              out=o.view(B * T, H, v).transpose(0, 1))
+    return o
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -752,7 +783,7 @@ def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 4. Routed experts straight from the INT4 checkpoint, W4A16 (model.py). Reference: model.int4_experts. The weights
+# 4. Routed experts straight from the INT4 checkpoint, W4A16 (model.py). Reference: model.Experts.forward. The weights
 # are in the compressed-tensors pack-quantized layout (see model.unpack_int4): W [O, I] -> packed [O, I/8] int32,
 # column 8k + i in bits 4i..4i+3 of word k, stored as q + 8; scale [O, I/group]; W = q * scale.
 # The T*K (token, k) pairs are grouped by expert on the GPU with fixed-shape ops (_moe_sort; no host sync), and
@@ -1267,14 +1298,25 @@ def _sum_pairs(y: torch.Tensor, T: int, K: int, shared: torch.Tensor | None = No
 
 
 # opaque to torch.compile: inductor would rebuild the kernels from their source, inline PTX included
-@register("int4_experts", fits=lambda x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-          group_size=32: (_int4_weights_fit(x, w13_packed, w13_scale, w2_packed, w2_scale, group_size)
-                          and topk_ids.dtype == torch.int64 and topk_weights.dtype == torch.float32))
 @torch.compiler.disable
 def fused_moe_w4a16(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size=32):
     x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
     y = _routed(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size)
     return _sum_pairs(y, *topk_ids.shape)
+
+
+# The routed experts alone (model.Experts.forward): where the MoE part runs its reference (torch.compile, a router
+# the launcher doesn't take), its INT4 experts still take the grouped kernels.
+def _experts_fits(self, x, weights, ids) -> bool:
+    return (self.quant is not None and ids.dtype == torch.int64 and weights.dtype == torch.float32
+            and _int4_weights_fit(x, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale,
+                                  self.quant.group_size))
+
+
+@register("Experts.forward", fits=_experts_fits)
+def experts_forward(self, x, weights, ids):
+    return fused_moe_w4a16(x, ids, weights, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale,
+                           self.quant.group_size)
 
 
 # The MoE part of a block (model.MoE.local): router, routed experts, shared experts, their sum, chosen whole so its
@@ -1306,6 +1348,38 @@ def moe_local(self, x):
         main.wait_stream(side)
         shared.record_stream(main)                                           # made on the side stream, freed here
     return _sum_pairs(y, x.shape[0], gate.top_k, shared.contiguous())
+
+
+def _add_norm(x, r, norm):
+    """(x + r, norm(x + r)) for a model.RMSNorm `norm`: one add_rms_norm launch where it fits, else the plain ops."""
+    if _add_rms_norm_fits(x, r, norm.weight):
+        return add_rms_norm(x, r, norm.weight, norm.eps)
+    s = x + r.to(x.dtype)
+    return s, norm(s)
+
+
+# The layer stack (model.Transformer.blocks): each block's last residual add waits for the next block's input norm,
+# so every add meets a norm in one add_rms_norm launch (2 a layer, not 2 adds and 2 norms). --debug (a check after
+# each layer) and torch.compile (inductor fuses add and norm itself) run the plain stack.
+def deferred_block(layer, h, r, cos, sin, cache, start_pos, tree_mask, absorb, slots):
+    """model.Block.forward on h + r (r: the previous block's MLP output, not yet added; None in layer 0) -> (h', r'),
+    the block's output h' + r'."""
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    h, x = (h, n1(h)) if r is None else _add_norm(h, r, n1)
+    h, x = _add_norm(h, layer.self_attn(x, cos, sin, cache, start_pos, tree_mask, absorb, slots), n2)
+    return h, layer.mlp(x)
+
+
+@register("Transformer.blocks", fits=lambda self, h, cos, sin, caches, start_pos, tree_mask, absorb, slots,
+          hidden_layers, debug: _glue(h) and not debug)
+def blocks(self, h, cos, sin, caches, start_pos, tree_mask, absorb, slots, hidden_layers, debug):
+    r, taps = None, []
+    for i, layer in enumerate(self.layers):
+        cache = None if caches is None else caches[i]
+        h, r = deferred_block(layer, h, r, cos, sin, cache, start_pos, tree_mask, absorb, slots)
+        if i in hidden_layers:
+            taps.append(h + r.to(h.dtype))
+    return h + r.to(h.dtype), taps
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1425,13 +1499,13 @@ def _block_attn_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, o_ptr, lse_ptr, out_ptr,
 DRAFT_ATTN = dict(BLOCK_Q=16, BLOCK_S=64, num_warps=4, min_split_len=512, max_splits=128, waves=1)
 
 
-@register("block_attention", fits=lambda q, k_cache, v_cache, prefix_len, softmax_scale, out=None: (
+@register("block_attention", fits=lambda q, k_cache, v_cache, prefix_len, softmax_scale: (
     _glue(q) and _pow2(q.shape[-1], 16) and q.dtype == k_cache.dtype == v_cache.dtype
-    and k_cache.stride(-1) == v_cache.stride(-1) == 1 and (out is None or out.is_contiguous())))
-def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale, out=None):
+    and k_cache.stride(-1) == v_cache.stride(-1) == 1))
+def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale):
     (B, T, H, hd), (S, KV) = q.shape, k_cache.shape[1:3]
     q, prefix_len = q.contiguous(), prefix_len.contiguous()
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty_like(q)
     cfg, G = DRAFT_ATTN, H // KV
     n_qblocks = triton.cdiv(T * G, cfg["BLOCK_Q"])
     MIN_SPLIT, BLOCK_S = cfg["min_split_len"], cfg["BLOCK_S"]
@@ -1447,6 +1521,14 @@ def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale, out=None):
     if num_splits > 1:
         _merge_splits(o_part, lse_part, prefix_len, out, T, H, MIN_SPLIT, BLOCK_S)
     return out
+
+
+# The drafter's layer (draft.Layer.forward) with its middle residual add and norm in one launch.
+@register("Layer.forward", fits=lambda self, h, f, cos, sin, mask=None, cache=None: _glue(h))
+def draft_layer(self, h, f, cos, sin, mask=None, cache=None):
+    attn = self.self_attn(self.input_layernorm(h), f, cos, sin, mask, cache)
+    h, x = _add_norm(h, attn, self.post_attention_layernorm)
+    return h + self.mlp(x)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -191,13 +191,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-@kernels.fast
-def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:
-    """(x + r, rms_norm(x + r)): a residual add and the next norm; r (MoE's: fp32) rounds first"""
-    s = x + r.to(x.dtype)
-    return s, rms_norm(s, weight, eps)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -207,10 +200,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-    def add(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + r, self(x + r))"""
-        return add_rms_norm(x, r, self.weight, self.eps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,11 +299,11 @@ def mla_latent_to_cache(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos:
 
 
 @kernels.fast
-def mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale: float, out=None):
+def mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale: float):
     """Absorbed MLA attention: q_lat [B, T, H, R], q_pe [B, T, H, P] over cache [B, S, R+P] (the
     latent is both key and value) -> [B, T, H, R]. Query t of row b sees slot s < prefix_len[b] (the
     committed prefix) and tree slot prefix_len[b] + j where tree_mask[b, t, j] ([B, T, T] bool)."""
-    (B, T, H, R), S = q_lat.shape, cache.shape[1]
+    (B, T, _, R), S = q_lat.shape, cache.shape[1]
     kv, k_pe = cache[..., :R].float(), cache[..., R:].float()               # [B, S, R], [B, S, P]
     scores = (torch.einsum("bthr,bsr->bths", q_lat.float(), kv)
               + torch.einsum("bthp,bsp->bths", q_pe.float(), k_pe)) * softmax_scale  # [B,T,H,S]
@@ -324,8 +313,7 @@ def mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale: floa
     visible = (j < 0)[:, None, :] | (((j >= 0) & (j < T))[:, None, :] & in_tree)
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1)[:, :, None, None], 0)  # none: 0
-    o = torch.einsum("bths,bsr->bthr", p, kv).to(q_lat.dtype)
-    return o if out is None else out.copy_(o)
+    return torch.einsum("bths,bsr->bthr", p, kv).to(q_lat.dtype)
 
 
 class MLA(nn.Module):
@@ -380,10 +368,6 @@ class MLA(nn.Module):
             dist.all_reduce(y)      # o_proj is row-parallel: sum the heads' partial outputs
         return y
 
-    def _wkv_b(self):
-        # [H, nope+v, R]
-        return self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
-
     def _naive(self, q_nope, q_pe, keys, mask):
         """Decompress every key's latent into per-head k_nope and v (prefill: compute-bound,
         T large)."""
@@ -408,21 +392,15 @@ class MLA(nn.Module):
         mask = torch.cat([prefix, tree_mask], -1)                                 # [B, T, S]
         return self._naive(q_nope, q_pe, cache[:, :start_pos + T], mask)
 
+    @kernels.fast
     def _absorbed(self, q_nope, q_pe, cache, start_pos, tree_mask):
         """W_UK absorbed into the query, W_UV into the output: attention over the R+P cached values
         per token (decode / verify: memory-bound, reads only the compressed cache)."""
-        B, T = q_nope.shape[:2]
-        wkv_b = self._wkv_b()
+        wkv_b = self.kv_b_proj.weight.view(self.n_heads, -1, self.kv_lora_rank)      # [H, nope+v, R]
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :self.nope])          # [B, T, H, R]
-        prefix = _starts(start_pos, B, q_nope.device)                                  # [B]
+        prefix = _starts(start_pos, q_nope.shape[0], q_nope.device)                    # [B]
         o_lat = mla_attention(q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)
-        # o = einsum("bthr,hdr->bthd", o_lat, W_UV), one GEMM per head written straight into the
-        # [B, T, H, v] rows o_proj reads (the einsum would leave [H, B*T, v] to copy)
-        o = torch.empty(B, T, self.n_heads, self.v_dim, dtype=o_lat.dtype, device=o_lat.device)
-        torch.bmm(o_lat.reshape(B * T, self.n_heads, -1).transpose(0, 1),
-                  wkv_b[:, self.nope:].transpose(1, 2),
-                  out=o.view(B * T, self.n_heads, self.v_dim).transpose(0, 1))
-        return o
+        return torch.einsum("bthr,hdr->bthd", o_lat, wkv_b[:, self.nope:])           # [B, T, H, v]
 
 
 def _starts(start_pos, B: int, device) -> torch.Tensor:
@@ -439,12 +417,6 @@ def _slots(start_pos, B: int, T: int, device) -> torch.Tensor:
 # Feed-forward: dense SwiGLU MLP, noaux_tc router, routed experts (INT4 or float), shared experts
 
 
-@kernels.fast
-def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's silu(g) * u."""
-    return F.silu(g) * u
-
-
 class MLP(nn.Module):
     """SwiGLU MLP, tensor-parallel (gate/up column, down row). Returns this rank's partial sum: the
     caller all-reduces (so MoE can add routed + shared before one all-reduce)."""
@@ -455,9 +427,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(dim, {"gate_proj": inter, "up_proj": inter}, shard_dim=0)
         self.down_proj = Linear(inter, dim, shard_dim=1)
 
+    @kernels.fast
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)              # [..., inter/ws] each
-        return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DenseMLP(MLP):
@@ -544,47 +517,16 @@ def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, group_size: int = 32
     return w.flatten(-2)
 
 
-def swiglu_experts(x, topk_ids, topk_weights, experts, w13, w2, y) -> torch.Tensor:
-    """y [T, D] fp32 += Σ_k topk_weights[t, k] SwiGLU_e(x[t]) over the pairs whose expert e is in
-    `experts` [g] (increasing ids; w13 [g, 2I, D] gate then up rows, w2 [g, D, I]). One expert: its
-    tokens only. Several: every token through each, weight 0 where not chosen (few ops: CPU)."""
-    if len(experts) == 1:
-        t, k = (topk_ids == experts[0]).nonzero(as_tuple=True)
-        gate, up = F.linear(x[t].to(w13.dtype), w13[0]).chunk(2, dim=-1)            # [n, I] each
-        o = F.linear(F.silu(gate) * up, w2[0]).float()                              # [n, D]
-        return y.index_add_(0, t, o * topk_weights[t, k, None])
-    gate, up = torch.matmul(x.to(w13.dtype), w13.transpose(1, 2)).chunk(2, dim=-1)  # [g, T, I] each
-    o = torch.matmul(F.silu(gate) * up, w2.transpose(1, 2)).float()                 # [g, T, D]
-    w = (topk_weights[:, :, None] * (topk_ids[:, :, None] == experts)).sum(1)       # [T, g]
-    return y.add_(torch.einsum("tg,gtd->td", w, o))
-
-
-def float_experts(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
-    """Float experts w13 [E, 2I, D], w2 [E, D, I] -> [T, D] fp32, one used expert at a time
-    (autograd reaches w13 and w2: train.py)."""
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)                    # [T, D]
-    for e in topk_ids.unique().tolist():
-        swiglu_experts(x, topk_ids, topk_weights, [e], w13[e:e + 1], w2[e:e + 1], y)
-    return y
-
-
-# int4_experts dequantizes at most this many fp32 bytes of experts at once
-INT4_REF_GROUP_BYTES = 256 * 2**20
-
-
-@kernels.fast
-def int4_experts(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                 group_size=32):
-    """x [T, D], topk_ids / topk_weights [T, k] -> [T, D] fp32: Σ_k weight * SwiGLU expert_k(x).
-    w13_packed [E, 2I, D/8], w2_packed [E, D, I/8] (INT4, Experts). Only the used experts are
-    dequantized, a group at a time: bounded memory."""
-    used = topk_ids.unique()                                              # [n] increasing ids
-    per_expert = (w13_packed[0].numel() + w2_packed[0].numel()) * 8 * 4   # fp32 bytes, dequantized
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)        # [T, D]
-    for group in used.split(max(1, INT4_REF_GROUP_BYTES // per_expert)):  # [g]
-        w13 = dequant_int4(w13_packed[group], w13_scale[group], group_size).float()  # [g, 2I, D]
-        w2 = dequant_int4(w2_packed[group], w2_scale[group], group_size).float()     # [g, D, I]
-        swiglu_experts(x, topk_ids, topk_weights, group, w13, w2, y)
+def routed_experts(x, weights, ids, expert) -> torch.Tensor:
+    """x [N, D], weights / ids [N, k] -> Σ_k weights[:, k] SwiGLU_e(x), e = ids[:, k]: [N, D] fp32.
+    expert(e) gives expert e's gate | up rows [2I, D] and down [D, I]; each used expert runs on its
+    own rows only, one at a time (INT4: one dequantized at a time)."""
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)                    # [N, D]
+    for e in ids.unique().tolist():
+        n, k = (ids == e).nonzero(as_tuple=True)      # the rows routed to e, and at which choice
+        w13, w2 = expert(e)
+        gate, up = F.linear(x[n].to(w13.dtype), w13).chunk(2, dim=-1)                 # [n, I] each
+        y.index_add_(0, n, F.linear(F.silu(gate) * up, w2).float() * weights[n, k, None])
     return y
 
 
@@ -616,12 +558,18 @@ class Experts(nn.Module):
             self.w13 = nn.Parameter(torch.empty(E, 2 * inter, D))                  # [E, 2I/ws, D]
             self.w2 = nn.Parameter(torch.empty(E, D, inter))                       # [E, D, I/ws]
 
+    @kernels.fast
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, D], weights/ids [N, k] -> this rank's Σ_k w_k expert_k(x) [N, D], fp32"""
-        if self.quant:
-            return int4_experts(x, ids, weights, self.w13_packed, self.w13_scale, self.w2_packed,
-                                self.w2_scale, self.quant.group_size)
-        return float_experts(x, ids, weights, self.w13, self.w2)
+        return routed_experts(x, weights, ids, self.expert)
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's w13 [2I/ws, D] and w2 [D, I/ws]: INT4 dequantized in fp32, or as stored."""
+        if self.quant is None:
+            return self.w13[e], self.w2[e]
+        gs = self.quant.group_size
+        return (dequant_int4(self.w13_packed[e], self.w13_scale[e], gs).float(),
+                dequant_int4(self.w2_packed[e], self.w2_scale[e], gs).float())
 
 
 class MoE(nn.Module):
@@ -660,18 +608,12 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, r, cos, sin, cache, start_pos, tree_mask, absorb, slots=None):
-        """x [B, T, D]: the residual stream; r: the previous layer's MLP output, not yet in it (None
-        in layer 0). Returns (x, this layer's MLP output): the next norm adds them (one launch)."""
-        x, h = (x, self.input_layernorm(x)) if r is None else self.input_layernorm.add(x, r)
-        attn = self.self_attn(h, cos, sin, cache, start_pos, tree_mask, absorb, slots)
-        x, h = self.post_attention_layernorm.add(x, attn)                  # x + attn and its norm
-        return x, self.mlp(h)
-
-
-def residual(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """A layer's output from Block's (x, r): what add_rms_norm adds."""
-    return x + r.to(x.dtype)
+    def forward(self, x, cos, sin, cache, start_pos, tree_mask, absorb, slots=None):
+        """x [B, T, D] -> [B, T, D]: attention, then the MLP, each on the normed stream and added
+        back to it (the MoE's fp32 output rounds to the stream's dtype)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos, tree_mask,
+                               absorb, slots)
+        return x + self.mlp(self.post_attention_layernorm(x)).to(x.dtype)
 
 
 # The cache path attends over the compressed cache (absorbed MLA) for decode and tree verify (any
@@ -736,22 +678,32 @@ class Transformer(nn.Module):
                                                 or not isinstance(start_pos, int))
         if tree_mask is None:      # causal, made once for every layer
             tree_mask = torch.ones(B, T, T, dtype=torch.bool, device=tokens.device).tril()
-        h, r = self.embed_tokens(tokens), None    # [B, T, D]; r: the last MLP output, not yet in h
+        h = self.embed_tokens(tokens)                                                   # [B, T, D]
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_attn_factor, positions, h.dtype)
-        taps = []
-        for i, layer in enumerate(self.layers):
-            cache = None if start_pos is None else self.kv_cache[i, cache_row:]
-            h, r = layer(h, r, cos, sin, cache, start_pos, tree_mask, absorb, slots)
-            if debug:
-                check_finite(residual(h, r), f"layer {i} output")
-            if i in hidden_layers:
-                taps.append(residual(h, r))
+        caches = None if start_pos is None else self.kv_cache[:, cache_row:]   # [L, B.., S, R+P]
+        h, taps = self.blocks(h, cos, sin, caches, start_pos, tree_mask, absorb, slots,
+                              hidden_layers, debug)
         if last_only:
-            h, r = h[:, -1:], r[:, -1:]
-        logits = self.head(self.norm.add(h, r)[1])
+            h = h[:, -1:]
+        logits = self.head(self.norm(h))
         if debug:
             check_finite(logits, "logits")
         return Output(logits, torch.cat(taps, dim=-1) if taps else None)
+
+    @kernels.fast
+    def blocks(self, h, cos, sin, caches, start_pos, tree_mask, absorb, slots, hidden_layers,
+               debug) -> tuple[torch.Tensor, list]:
+        """h [B, T, D] through every Block -> (the last one's output, [the outputs of hidden_layers]).
+        caches: the layers' cache rows [L, B, S, R+P], or None; the rest as in MLA.forward."""
+        taps = []
+        for i, layer in enumerate(self.layers):
+            cache = None if caches is None else caches[i]
+            h = layer(h, cos, sin, cache, start_pos, tree_mask, absorb, slots)
+            if debug:
+                check_finite(h, f"layer {i} output")
+            if i in hidden_layers:
+                taps.append(h)
+        return h, taps
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Normed hidden states [..., D] -> fp32 logits [..., vocab] (the drafter's too)."""

@@ -203,8 +203,7 @@ def test_layers_tp1_shapes_hold_all_heads():
         s = bench.step_inputs(args, 5, 16, "random", "cpu", torch.float32, seed=0)
         cache = torch.randn(1, 24, args.kv_lora_rank + args.qk_rope_head_dim)
         with torch.no_grad():
-            y = M.residual(*block(s["x"], s["r"], s["cos"], s["sin"], cache, 16, s["mask"], True,
-                                         s["slots"]))
+            y = block(s["x"], s["cos"], s["sin"], cache, 16, s["mask"], True, s["slots"])
         assert y.shape == (1, 5, cfg["hidden_size"]) and torch.isfinite(y).all()
         sizes[tp] = bench.param_bytes(block.self_attn)
     assert sizes[1] > sizes[8]

@@ -10,6 +10,7 @@ interpreter in a subprocess (test_kernels_under_triton_interpreter): TRITON_INTE
 is imported, and in this process pytest (or another test module) may have imported it already.
 """
 import dataclasses
+import functools
 import inspect
 import math
 import os
@@ -68,9 +69,9 @@ def assert_close(actual, expected, tol, what=""):
 
 
 def launch(name, *args, **kw):
-    """The kernel registered under `name`, on these arguments; on a GPU its fits() must accept them (outside
-    autograd, as the model serves), on the interpreter's CPU tensors refuse them."""
-    fits, run = kernels._KERNELS[name]
+    """The kernel registered under `name` (or a (fits, launcher) pair), on these arguments; on a GPU its fits()
+    must accept them (outside autograd, as the model serves), on the interpreter's CPU tensors refuse them."""
+    fits, run = kernels._KERNELS[name] if isinstance(name, str) else name
     with torch.no_grad():
         assert fits(*args, **kw) == (KERNEL_DEVICE == "cuda"), f"{name}: fits() on {KERNEL_DEVICE} tensors"
     return run(*args, **kw)
@@ -165,6 +166,11 @@ def test_glue_kernels_stay_out_of_autograd_and_compile(monkeypatch):
         assert not fits(x, w, 1e-6)
 
 
+def int4_ref(x, topk_ids, topk_weights, *weights):
+    """model.Experts.forward as written, on make_moe's tensors (group size 32 unless given)."""
+    return M.Experts.forward.ref(C.int4_experts(*weights), x, topk_weights, topk_ids)
+
+
 def tiny_moe(**over) -> M.MoE:
     """An INT4 MoE part of the tiny config (D = 64), weights uninitialized: for fits() only."""
     return M.MoE(C.model_args(C.k26_config(tiny.text_config(**over), 32)))
@@ -178,23 +184,23 @@ def fits_cases():
     big_tree = ddtree.Tree(*ddtree.ddtree_search.ref(r(1, 3, 4), r(1, 3, 4, dtype=i64), r(1, dtype=i64), 64))  # 65 nodes
     b = torch.bool
     attn = lambda T_, R: (r(1, T_, 2, R), r(1, T_, 2, 16), r(1, 80, R + 16), r(1, dtype=i64), r(1, T_, T_, dtype=b), 0.1)
-    moe = lambda gs: (r(2, 64), r(2, 2, dtype=i64), r(2, 2), r(4, 64, 8, dtype=torch.int32), r(4, 64, 64 // gs),
-                      r(4, 64, 4, dtype=torch.int32), r(4, 64, 32 // gs), gs)
+    moe = lambda gs: (C.int4_experts(r(4, 64, 8, dtype=torch.int32), r(4, 64, 64 // 32), r(4, 64, 4, dtype=torch.int32),
+                                 r(4, 64, 1), gs), r(2, 64), r(2, 2), r(2, 2, dtype=i64))
+    blocks = lambda debug: (None, r(1, 2, 64), None, None, None, 0, None, True, None, (), debug)
     qkv = lambda hd: (r(1, 3, 4 * hd), 2, 1, r(hd), r(hd), 1e-6, r(1, 3, hd), r(1, 3, hd), r(1, 8, 1, hd),
                       r(1, 8, 1, hd), r(1, 3, dtype=i64), 1)
     return [
         ("linear", (r(2, 3, 16, dtype=f16), r(8, 16, dtype=f16)), (r(65, 16, dtype=f16), r(8, 16, dtype=f16))),
         ("rms_norm", (r(2, 16), r(16), 1e-6), (r(2, 16), r(8), 1e-6)),
-        ("add_rms_norm", (r(2, 16), r(2, 16), r(16), 1e-6), (r(2, 16), r(2, 16, dtype=torch.float16), r(16), 1e-6)),
         ("rope", (r(1, 2, 3, 16), r(1, 2, 16), r(1, 2, 16)), (r(1, 2, 3, 12), r(1, 2, 12), r(1, 2, 12))),
-        ("silu_mul", (r(2, 8), r(2, 8)), (r(2, 8), r(2, 4))),
         ("mla_latent_to_cache", (r(1, 2, 48), r(32), 1e-6, r(1, 2, 16), r(1, 2, 16), r(2, 9, 48), r(1, 2, dtype=i64)),
          (r(1, 2, 40), r(24), 1e-6, r(1, 2, 16), r(1, 2, 16), r(2, 9, 40), r(1, 2, dtype=i64))),
         ("mla_attention", attn(64, 32), attn(65, 32)),                     # 65 > one mask word in the kernel
         ("mla_attention", attn(9, 32), attn(9, 24)),                                  # R not a power of two
         ("mla_attention", attn(9, 32), attn(9, 32)[:4] + (r(1, 9, 9, dtype=b).transpose(1, 2), 0.1)),  # strided
         ("router_topk", (r(2, 16), r(8, 16), r(8), 2, True, 1.0), (r(2, 16), r(8, 16), r(8), 2, True, 1.0, 2, 1)),
-        ("int4_experts", moe(32), moe(16)[:-1] + (64,)),                                   # group 64 > I = 32
+        ("Experts.forward", moe(32), moe(64)),                                             # group 64 > I = 32
+        ("Transformer.blocks", blocks(False), blocks(True)),                                 # --debug: plain stack
         ("MoE.local", (tiny_moe(), r(2, 64)), (tiny_moe(n_group=2), r(2, 64))),          # group-limited routing
         ("qkv_norm_rope", qkv(16), qkv(24)),
         ("block_attention", (r(1, 4, 2, 16), r(1, 8, 1, 16), r(1, 8, 1, 16), r(1, dtype=i64), 0.25),
@@ -316,12 +322,9 @@ def make_attn(B, T_, H, R, P, prefixes, kind, dtype, device="cpu", seed=0):
     return tuple(a.to(device) for a in args) + (1.0 / math.sqrt(R + P),)
 
 
-@pytest.mark.parametrize("groups", ["all experts at once", "one expert at a time"])
-def test_int4_experts_ref_vs_naive(groups, monkeypatch):
-    """Both ways the reference applies its dequantized experts (a group of them to every token, or one expert to the
-    tokens that chose it) == float64 by hand."""
-    if groups == "one expert at a time":
-        monkeypatch.setattr(M, "INT4_REF_GROUP_BYTES", 1)
+def test_int4_experts_ref_vs_naive():
+    """The reference (each used expert dequantized on its own, applied to the tokens that chose it) == float64 by
+    hand."""
     x, ids, w, w13p, s13, w2p, s2 = make_moe(T=5, E=6, K=3, D=64, I=32, dtype=torch.float32)
     I = 32
     w13 = unpack_bytewise(w13p).double() * s13.double().repeat_interleave(32, -1)   # [E, 2I, D]
@@ -332,9 +335,9 @@ def test_int4_experts_ref_vs_naive(groups, monkeypatch):
             e = int(ids[t, k])
             gate, up = w13[e, :I] @ x[t].double(), w13[e, I:] @ x[t].double()
             expected[t] += float(w[t, k]) * (w2[e] @ (F.silu(gate) * up))
-    out = M.int4_experts.ref(x, ids, w, w13p, s13, w2p, s2)
+    out = int4_ref(x, ids, w, w13p, s13, w2p, s2)
     assert out.dtype == torch.float32
-    assert_close(out, expected, 1e-5, "int4_experts reference")
+    assert_close(out, expected, 1e-5, "INT4 experts reference")
 
 
 @pytest.mark.parametrize("kind", ["chain", "bushy", "holes"])
@@ -391,9 +394,10 @@ def test_int4_experts_kernel(T_, E, K, D, I, tiles, dtype, monkeypatch):
     args = make_moe(T_, E, K, D, I, dtype, KERNEL_DEVICE, seed=T_)
     if dtype != torch.float32:   # an outlier channel: the GEMV's per-row power-of-two scale keeps fp16 in range
         args[0][0, 3] = 300.0
-    out = launch("int4_experts", *args)
+    x, ids, w = args[:3]
+    out = launch("Experts.forward", C.int4_experts(*args[3:]), x, w, ids)
     assert out.dtype == torch.float32 and out.shape == (T_, D)
-    assert_close(out, M.int4_experts.ref(*args), TOL[dtype], f"moe T={T_} {tiles} {dtype}")
+    assert_close(out, int4_ref(*args), TOL[dtype], f"moe T={T_} {tiles} {dtype}")
 
 
 @needs_kernels
@@ -417,6 +421,58 @@ def test_moe_part(T_, mma_min_pairs, dtype, monkeypatch):
     assert_close(got, want, TOL[dtype], f"MoE part T={T_} {dtype}")
 
 
+def part_inputs(name: str, dtype, T_: int = 5):
+    """(the part's module, its arguments) for a verify step of T_ tree tokens after 8 cached ones, random:tiny."""
+    model = C.random_model("random:tiny", KERNEL_DEVICE, dtype, seed=T_)
+    model.setup_cache(2, 16)
+    g = torch.Generator().manual_seed(T_)
+    randn = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(KERNEL_DEVICE)
+    with torch.no_grad():
+        model(torch.randint(0, model.args.vocab_size, (2, 8), generator=g).to(KERNEL_DEVICE), start_pos=0)
+    start = torch.tensor([8, 6], device=KERNEL_DEVICE)                                        # [B]
+    slots = start[:, None] + torch.arange(T_, device=KERNEL_DEVICE)                           # [B, T]
+    mask = make_tree_mask("bushy", 2, T_, g).to(KERNEL_DEVICE)                                # [B, T, T]
+    cos, sin = M.rope_cos_sin(model.inv_freq, model.rope_attn_factor, slots, dtype)
+    mla, D = model.layers[1].self_attn, model.args.hidden_size
+    if name == "Transformer.blocks":
+        return model, (randn(2, T_, D), cos, sin, model.kv_cache, start, mask, True, slots, (0, 2), False)
+    if name == "MLA._absorbed":
+        return mla, (randn(2, T_, mla.n_heads, mla.nope), randn(2, T_, mla.n_heads, mla.rope_dim),
+                     model.kv_cache[1], start, mask)
+    if name == "MLP.forward":
+        return model.layers[1].mlp.shared_experts, (randn(2, T_, D),)
+    drafter = C.random_drafter("random:tiny-dflash", model.args, KERNEL_DEVICE, dtype, seed=T_)
+    drafter.setup_cache(2, 16)
+    hd, n = drafter.args.head_dim, 3                                      # n context rows, then the block
+    cos, sin = (t[:n + T_].expand(2, -1, -1) for t in (drafter.rope_cos, drafter.rope_sin))
+    cache = Dr.BlockCache(drafter.ctx_cache[0], torch.arange(n + T_, device=KERNEL_DEVICE).expand(2, -1),
+                          torch.full((2,), n, device=KERNEL_DEVICE), 16)
+    D = drafter.args.hidden_size
+    assert cos.shape[-1] == hd
+    return drafter.layers[0], (randn(2, T_, D), randn(2, n, D), cos, sin, None, cache)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["Transformer.blocks", "MLA._absorbed", "MLP.forward", "Layer.forward"])
+def test_parts_equal_their_plain_forward(name, dtype, monkeypatch):
+    """Each part's launcher == its plain forward as written: the layer stack (each residual add deferred into the
+    next norm; the tapped layers' outputs), MLA's absorbed attention (W_UV written into o_proj's rows), the SwiGLU
+    MLP (one silu_mul launch), the drafter's layer (its middle add and norm in one launch)."""
+    monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
+    module, args = part_inputs(name, dtype)
+    ref = functools.reduce(getattr, name.split("."), M if name != "Layer.forward" else Dr).ref
+    with torch.no_grad():
+        got, want = launch(name, module, *args), ref(module, *args)
+    if name == "Transformer.blocks":
+        (got, got_taps), (want, want_taps) = got, want
+        assert len(got_taps) == len(want_taps) == 2
+        for a, b in zip(got_taps, want_taps):
+            assert_close(a, b, TOL[dtype], f"{name} taps {dtype}")
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert_close(got, want, TOL[dtype], f"{name} {dtype}")
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("ids", [[[3, 3, 5, 3]], [[3, 1, 3, 0], [3, 0, 2, 1]]], ids=["T1", "T2"])
@@ -426,7 +482,7 @@ def test_int4_experts_repeated_expert(ids, dtype, monkeypatch):
     monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
     args = list(make_moe(len(ids), 6, len(ids[0]), 128, 64, dtype, KERNEL_DEVICE, seed=5))
     args[1] = torch.tensor(ids, device=KERNEL_DEVICE)
-    assert_close(kernels.fused_moe_w4a16(*args), M.int4_experts.ref(*args), TOL[dtype], f"repeated expert {ids}")
+    assert_close(kernels.fused_moe_w4a16(*args), int4_ref(*args), TOL[dtype], f"repeated expert {ids}")
 
 
 def unpack_f16x2_planes(xk: torch.Tensor) -> torch.Tensor:
@@ -506,7 +562,9 @@ def test_add_rms_norm_kernel(shape, dtype, r_fp32):
     if r_fp32:
         r = r.float() + torch.randn(*shape, generator=g).to(KERNEL_DEVICE) * 1e-3     # not a value of dtype
     w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype).to(KERNEL_DEVICE)
-    (s, y), (s_ref, y_ref) = launch("add_rms_norm", x, r, w, 1e-6), M.add_rms_norm.ref(x, r, w, 1e-6)
+    s, y = launch((kernels._add_rms_norm_fits, lambda *a: kernels.add_rms_norm(*a, 1e-6)), x, r, w)
+    s_ref = x + r.to(dtype)
+    y_ref = M.rms_norm.ref(s_ref, w, 1e-6)
     assert torch.equal(s, s_ref) and y.dtype == y_ref.dtype and y.shape == y_ref.shape
     if y.numel():
         assert_close(y, y_ref, TOL[dtype], f"add_rms_norm {shape} {dtype}")
@@ -561,14 +619,15 @@ def test_linear_kernel(M_, N, K, dtype, monkeypatch):
 def test_silu_mul_kernel(dtype):
     g = torch.Generator().manual_seed(0)
     a, b = [(torch.randn(3, 1500, generator=g) * 4).to(dtype).to(KERNEL_DEVICE) for _ in range(2)]
-    assert_close(launch("silu_mul", a, b), M.silu_mul.ref(a, b), TOL[dtype], f"silu_mul {dtype}")
+    silu_mul = (kernels._silu_mul_fits, kernels.silu_mul)
+    assert_close(launch(silu_mul, a, b), F.silu(a) * b, TOL[dtype], f"silu_mul {dtype}")
     # the two halves of one gate/up GEMM's output (model.MLP): row-strided views, not copies
     gu = (torch.randn(2, 5, 2 * 96, generator=g) * 4).to(dtype).to(KERNEL_DEVICE)
     gate, up = gu.split(96, dim=-1)
-    y = launch("silu_mul", gate, up)
+    y = launch(silu_mul, gate, up)
     assert not gate.is_contiguous() and y.shape == (2, 5, 96) and y.is_contiguous()
     assert torch.equal(y, kernels.silu_mul(gate.contiguous(), up.contiguous()))
-    assert_close(y, M.silu_mul.ref(gate, up), TOL[dtype], f"silu_mul strided {dtype}")
+    assert_close(y, F.silu(gate) * up, TOL[dtype], f"silu_mul strided {dtype}")
 
 
 @needs_kernels
@@ -653,7 +712,7 @@ def test_router_topk_kernel(N, E, D, k, dtype):
         assert ids.dtype == torch.int64 and torch.equal(ids, ids_ref), f"{ids} vs {ids_ref}"
         assert_close(w, w_ref, 1e-5, f"router_topk weights N={N} E={E} D={D} norm={norm}")
         _, _, pairs, prep = kernels._route(x, weight, bias, k, norm, 2.827, prep=True)    # the MoE part's call
-        if N <= kernels.ROUTER_MAX_T:       # one launch: the pairs sorted by expert for int4_experts, as _moe_sort
+        if N <= kernels.ROUTER_MAX_T:       # one launch: the pairs sorted by expert for the experts, as _moe_sort
             (pair_ids, slots), (pair_ref, slots_ref) = pairs, kernels._moe_sort(ids, E)
             assert torch.equal(pair_ids, pair_ref) and torch.equal(slots, slots_ref)
         if N <= kernels.ROUTER_MAX_T and dtype != torch.float32:   # and x packed for the MoE GEMV, as _prep_f16

@@ -154,23 +154,25 @@ def test_hidden_layers_are_layer_outputs():
         h = model.embed_tokens(tokens)
         cos, sin = M.rope_cos_sin(model.inv_freq, model.rope_attn_factor, torch.arange(9).view(1, -1), h.dtype)
         causal = torch.ones(1, 9, 9, dtype=torch.bool).tril()                     # [1, T, T]
-        outs, r = [], None
+        outs = []
         for layer in model.layers:
-            h, r = layer(h, r, cos, sin, None, None, causal, False)
-            outs.append(M.residual(h, r))
+            h = layer(h, cos, sin, None, None, causal, False)
+            outs.append(h)
     assert hid.shape == (1, 9, 2 * 64)
     assert torch.allclose(hid, torch.cat([outs[0], outs[2]], -1), atol=1e-6)
     assert torch.allclose(logits, model(tokens).logits, atol=1e-6)
 
 
-# The ops with a fast path, as the switch in kernels.py knows them: name -> the reference's parameters
+# The ops and parts with a fast path, as the switch in kernels.py knows them: name -> the reference's parameters
 CONTRACT = {
-    "linear": "x weight", "rms_norm": "x weight eps", "add_rms_norm": "x r weight eps", "rope": "x cos sin interleaved",
-    "silu_mul": "g u", "mla_latent_to_cache": "kv weight eps cos sin cache slots",
-    "mla_attention": "q_lat q_pe cache prefix_len tree_mask softmax_scale out",
+    "linear": "x weight", "rms_norm": "x weight eps", "rope": "x cos sin interleaved",
+    "mla_latent_to_cache": "kv weight eps cos sin cache slots",
+    "mla_attention": "q_lat q_pe cache prefix_len tree_mask softmax_scale",
     "router_topk": "x weight bias top_k norm scale n_group topk_group",
-    "int4_experts": "x topk_ids topk_weights w13_packed w13_scale w2_packed w2_scale group_size",
-    "MoE.local": "self x",                      # a block part: the MoE's router, experts and shared experts
+    # the parts: a block stack, attention, MLP and MoE method with one launcher each
+    "Transformer.blocks": "self h cos sin caches start_pos tree_mask absorb slots hidden_layers debug",
+    "MLA._absorbed": "self q_nope q_pe cache start_pos tree_mask", "MLP.forward": "self x",
+    "MoE.local": "self x", "Experts.forward": "self x weights ids",
 }
 
 
@@ -248,9 +250,9 @@ def test_cached_batch_hands_the_cache_kernel_its_contract(monkeypatch):
         assert torch.allclose(g.logits, w.logits, atol=1e-5)
 
 
-def test_int4_experts_reference_bounds_its_memory(monkeypatch):
-    """The INT4 reference dequantizes only the used experts, a group at a time: one expert per group (K2.6 size)
-    and all of them at once give the float experts' result on the dequantized weights."""
+def test_int4_experts_equal_float_experts_on_the_dequantized_weights():
+    """The INT4 reference dequantizes only the used experts, one at a time, and gives the float experts' result on
+    the dequantized weights."""
     g = torch.Generator().manual_seed(0)
     E, D, I, T, k = 6, 64, 32, 5, 2
     q13, q2 = torch.randint(-8, 8, (E, 2 * I, D), generator=g), torch.randint(-8, 8, (E, D, I), generator=g)
@@ -260,11 +262,14 @@ def test_int4_experts_reference_bounds_its_memory(monkeypatch):
     x = torch.randn(T, D, generator=g)
     ids = torch.tensor([[0, 3], [3, 5], [0, 5], [3, 0], [5, 3]])                     # experts 1, 2, 4 unused
     w = torch.rand(T, k, generator=g)
-    want = M.float_experts(x, ids, w, M.dequant_int4(w13p, s13), M.dequant_int4(w2p, s2))
-    whole = M.int4_experts.ref(x, ids, w, w13p, s13, w2p, s2, 32)
-    monkeypatch.setattr(M, "INT4_REF_GROUP_BYTES", 1)
-    one_by_one = M.int4_experts.ref(x, ids, w, w13p, s13, w2p, s2, 32)
-    assert torch.allclose(one_by_one, want, atol=1e-5) and torch.allclose(whole, want, atol=1e-5)
+    w13, w2 = M.dequant_int4(w13p, s13), M.dequant_int4(w2p, s2)
+    want = M.routed_experts(x, w, ids, lambda e: (w13[e], w2[e]))
+    dequantized = []
+    experts = C.int4_experts(w13p, s13, w2p, s2)
+    expert = experts.expert
+    experts.expert = lambda e: dequantized.append(e) or expert(e)
+    got = M.Experts.forward.ref(experts, x, w, ids)
+    assert dequantized == [0, 3, 5] and torch.allclose(got, want, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
