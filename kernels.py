@@ -2,9 +2,10 @@
 Triton fast paths of nano-ddtree: each kernel computes what a plain PyTorch function of a stage file computes (its
 reference), in fewer launches or fewer bytes.
 
-    model.py   ops: linear, rms_norm, rope, mla_latent_to_cache, mla_attention, router_topk
+    model.py   ops: linear, rms_norm, rope, mla_latent_to_cache, mla_attention
                parts: Transformer.blocks (each residual add fused into the next norm), MLA._absorbed, MLP.forward,
-               MoE.local (router, experts and shared experts as one launcher), Experts.forward (fused_moe_w4a16)
+               Gate.forward (the router), Experts.forward (fused_moe_w4a16), MoE.local (router, routed and shared
+               experts as one launcher)
     draft.py   ops: qkv_norm_rope, block_attention; part: Layer.forward
     tree.py    rank_topk, ddtree_search;   verify.py  accept, commit_kv
 
@@ -601,7 +602,7 @@ def mla_absorbed(self, q_nope, q_pe, cache, start_pos, tree_mask):
 
 # ----------------------------------------------------------------------------------------------------------
 # 3. The noaux_tc router (model.py): logits = x @ weight^T in fp32, sigmoid scores, top-k of score + bias, weights =
-# the chosen scores renormalized and scaled. Reference: model.router_topk. Two launches for T <= ROUTER_MAX_T: the
+# the chosen scores renormalized and scaled. Reference: model.Gate.forward. Two launches for T <= ROUTER_MAX_T: the
 # matmul in programs of BLOCK_E experts x one slice of D (the fp32 weight streamed once; cuBLAS's fp32 GEMM at a few
 # rows is slower), where the last slice of an expert block to finish sums the block's slices in a fixed order (the
 # same bits every run); then one program per token routes it, and the last of them to finish sorts the (token, k)
@@ -749,7 +750,7 @@ def _route_launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bo
 
 
 def _route(x, weight, bias, top_k, norm, scale, prep: bool = False):
-    """router_topk's work -> (weights, ids, pairs, prep) as _route_launch gives them. Decode / verify sizes: two
+    """Gate.forward's work -> (weights, ids, pairs, prep) as _route_launch gives them. Decode / verify sizes: two
     launches (the router matmul; the route, which also sorts the pairs and, with prep, packs x for the GEMV)."""
     (N, D), E = x.shape, weight.shape[0]
     x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
@@ -777,9 +778,10 @@ def _router_fits(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1) -
             and weight.shape[0] <= ROUTER_MAX_BLOCKS * ROUTER_BLOCKS["BLOCK_E"])
 
 
-@register("router_topk", fits=_router_fits)
-def router_topk(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1):
-    return _route(x, weight, bias, top_k, norm, scale)[:2]
+@register("Gate.forward", fits=lambda self, x: _router_fits(x, self.weight, self.e_score_correction_bias, self.top_k,
+                                                             self.norm, self.scale, self.n_group, self.topk_group))
+def router_topk(self, x):
+    return _route(x, self.weight, self.e_score_correction_bias, self.top_k, self.norm, self.scale)[:2]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -441,23 +441,6 @@ class DenseMLP(MLP):
         return y
 
 
-@kernels.fast
-def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool,
-                scale: float, n_group: int = 1,
-                topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """noaux_tc: x [N, D] -> (weights [N, k] fp32, expert ids [N, k] by descending score + bias):
-    sigmoid scores in fp32 (weight [E, D], bias [E] fp32); the bias steers the choice only."""
-    scores = F.linear(x.float(), weight.float()).sigmoid()                             # [N, E]
-    choice = scores + bias
-    if n_group > 1:
-        choice = limit_groups(choice, n_group, topk_group)
-    ids = choice.topk(top_k, dim=-1)[1]                                                # [N, k]
-    w = scores.gather(1, ids)
-    if norm:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return w * scale, ids
-
-
 def limit_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
     """DeepSeek-V3's group-limited routing (K2.6 has one group): only the experts of the topk_group
     groups with the best two-expert sums stay choosable; the others' choice [N, E] becomes -inf."""
@@ -486,10 +469,19 @@ class Gate(nn.Module):
                                                                 dtype=torch.float32))
         self.e_score_correction_bias.shard_dim = None
 
+    @kernels.fast
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> (weights [N, k] fp32, expert ids [N, k])"""
-        return router_topk(x, self.weight, self.e_score_correction_bias, self.top_k, self.norm,
-                           self.scale, self.n_group, self.topk_group)
+        """noaux_tc: x [N, D] -> (weights [N, k] fp32, expert ids [N, k] by descending score + bias):
+        sigmoid scores in fp32; the bias steers the choice only."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()                        # [N, E]
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            choice = limit_groups(choice, self.n_group, self.topk_group)
+        ids = choice.topk(self.top_k, dim=-1)[1]                                           # [N, k]
+        w = scores.gather(1, ids)
+        if self.norm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.scale, ids
 
 
 # INT4 pack-quantized (compressed-tensors): W [O, I] is stored as packed [O, I/8] int32, column
@@ -515,19 +507,6 @@ def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, group_size: int = 32
         f"{tuple(q.shape)}, scale {tuple(scale.shape)}, group {group_size}")
     w = q.view(*q.shape[:-1], -1, group_size).to(scale.dtype) * scale.unsqueeze(-1)
     return w.flatten(-2)
-
-
-def routed_experts(x, weights, ids, expert) -> torch.Tensor:
-    """x [N, D], weights / ids [N, k] -> Σ_k weights[:, k] SwiGLU_e(x), e = ids[:, k]: [N, D] fp32.
-    expert(e) gives expert e's gate | up rows [2I, D] and down [D, I]; each used expert runs on its
-    own rows only, one at a time (INT4: one dequantized at a time)."""
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)                    # [N, D]
-    for e in ids.unique().tolist():
-        n, k = (ids == e).nonzero(as_tuple=True)      # the rows routed to e, and at which choice
-        w13, w2 = expert(e)
-        gate, up = F.linear(x[n].to(w13.dtype), w13).chunk(2, dim=-1)                 # [n, I] each
-        y.index_add_(0, n, F.linear(F.silu(gate) * up, w2).float() * weights[n, k, None])
-    return y
 
 
 class Experts(nn.Module):
@@ -560,8 +539,16 @@ class Experts(nn.Module):
 
     @kernels.fast
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [N, D], weights/ids [N, k] -> this rank's Σ_k w_k expert_k(x) [N, D], fp32"""
-        return routed_experts(x, weights, ids, self.expert)
+        """x [N, D], weights / ids [N, k] -> this rank's Σ_k weights[:, k] SwiGLU_e(x), e = ids[:, k]:
+        [N, D] fp32. Each used expert runs on its own rows only, one at a time (INT4: one dequantized
+        at a time, so memory stays bounded)."""
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)                    # [N, D]
+        for e in ids.unique().tolist():
+            n, k = (ids == e).nonzero(as_tuple=True)      # the rows routed to e, and at which choice
+            w13, w2 = self.expert(e)                                         # [2I/ws, D], [D, I/ws]
+            gate, up = F.linear(x[n].to(w13.dtype), w13).chunk(2, dim=-1)                 # [n, I] each
+            y.index_add_(0, n, F.linear(F.silu(gate) * up, w2).float() * weights[n, k, None])
+        return y
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's w13 [2I/ws, D] and w2 [D, I/ws]: INT4 dequantized in fp32, or as stored."""

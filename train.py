@@ -346,7 +346,7 @@ def int4_roundtrip(w: torch.Tensor, dtype: torch.dtype, serve_dtype: torch.dtype
 
 
 def experts_dense(x, ids, weights, w13, w2) -> torch.Tensor:
-    """model.routed_experts without its per-expert loop: every expert on every token, mixed by an [N, E]
+    """model.Experts.forward without its per-expert loop: every expert on every token, mixed by an [N, E]
     matrix that is zero off each token's top-k. Same values and gradients for E x the FLOPs, but a few
     kernels instead of ~10 per expert: training this small model on a GPU is bound by kernel launches."""
     combine = torch.zeros(x.shape[0], w13.shape[0], dtype=weights.dtype, device=x.device).scatter(1, ids, weights)
@@ -357,23 +357,23 @@ def experts_dense(x, ids, weights, w13, w2) -> torch.Tensor:
 
 @contextlib.contextmanager
 def expert_forward(model: M.Transformer, dense: bool = False, int4: tuple | None = None):
-    """Inside, the routed experts compute with experts_dense (dense=True) or model.routed_experts, and, with
+    """Inside, the routed experts compute with experts_dense (dense=True) or model.Experts.forward as written, and, with
     int4 = (export dtype, serve dtype), on int4_roundtrip(w): the weights the exported file will serve, with
     straight-through gradients to w (quantization-aware training)."""
     wt = (lambda w: w + (int4_roundtrip(w, *int4).to(w.dtype) - w).detach()) if int4 else (lambda w: w)
-
-    def forward(ex, x, w, ids):
-        if dense:
-            return experts_dense(x, ids, w, wt(ex.w13), wt(ex.w2))
-        return M.routed_experts(x, w, ids, lambda e: (wt(ex.w13[e]), wt(ex.w2[e])))
     experts = [layer.mlp.experts for layer in model.layers if isinstance(layer.mlp, M.MoE)]
     for ex in experts:
-        ex.forward = functools.partial(forward, ex)
+        if dense:
+            ex.forward = lambda x, w, ids, ex=ex: experts_dense(x, ids, w, wt(ex.w13), wt(ex.w2))
+        else:      # the reference's loop, on the weights each expert will serve
+            ex.forward = functools.partial(M.Experts.forward.ref, ex)
+            ex.expert = lambda e, ex=ex: (wt(ex.w13[e]), wt(ex.w2[e]))
     try:
         yield
     finally:
         for ex in experts:
             del ex.forward
+            ex.__dict__.pop("expert", None)
 
 
 def export_target(model: M.Transformer, text_cfg: dict, out_dir: str, dtype=torch.bfloat16, n_shards: int = 3) -> None:

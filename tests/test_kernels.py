@@ -166,6 +166,12 @@ def test_glue_kernels_stay_out_of_autograd_and_compile(monkeypatch):
         assert not fits(x, w, 1e-6)
 
 
+def router(weight, bias, top_k: int, norm: bool, scale: float, n_group: int = 1) -> types.SimpleNamespace:
+    """What model.Gate.forward and its launcher read of a Gate: its tensors and settings (topk_group 1)."""
+    return types.SimpleNamespace(weight=weight, e_score_correction_bias=bias, top_k=top_k, norm=norm, scale=scale,
+                                 n_group=n_group, topk_group=1)
+
+
 def int4_ref(x, topk_ids, topk_weights, *weights):
     """model.Experts.forward as written, on make_moe's tensors (group size 32 unless given)."""
     return M.Experts.forward.ref(C.int4_experts(*weights), x, topk_weights, topk_ids)
@@ -186,6 +192,7 @@ def fits_cases():
     attn = lambda T_, R: (r(1, T_, 2, R), r(1, T_, 2, 16), r(1, 80, R + 16), r(1, dtype=i64), r(1, T_, T_, dtype=b), 0.1)
     moe = lambda gs: (C.int4_experts(r(4, 64, 8, dtype=torch.int32), r(4, 64, 64 // 32), r(4, 64, 4, dtype=torch.int32),
                                  r(4, 64, 1), gs), r(2, 64), r(2, 2), r(2, 2, dtype=i64))
+    gate = lambda n_group: router(r(8, 16), r(8), 2, True, 1.0, n_group)
     blocks = lambda debug: (None, r(1, 2, 64), None, None, None, 0, None, True, None, (), debug)
     qkv = lambda hd: (r(1, 3, 4 * hd), 2, 1, r(hd), r(hd), 1e-6, r(1, 3, hd), r(1, 3, hd), r(1, 8, 1, hd),
                       r(1, 8, 1, hd), r(1, 3, dtype=i64), 1)
@@ -198,7 +205,7 @@ def fits_cases():
         ("mla_attention", attn(64, 32), attn(65, 32)),                     # 65 > one mask word in the kernel
         ("mla_attention", attn(9, 32), attn(9, 24)),                                  # R not a power of two
         ("mla_attention", attn(9, 32), attn(9, 32)[:4] + (r(1, 9, 9, dtype=b).transpose(1, 2), 0.1)),  # strided
-        ("router_topk", (r(2, 16), r(8, 16), r(8), 2, True, 1.0), (r(2, 16), r(8, 16), r(8), 2, True, 1.0, 2, 1)),
+        ("Gate.forward", (gate(1), r(2, 16)), (gate(2), r(2, 16))),                           # group-limited routing
         ("Experts.forward", moe(32), moe(64)),                                             # group 64 > I = 32
         ("Transformer.blocks", blocks(False), blocks(True)),                                 # --debug: plain stack
         ("MoE.local", (tiny_moe(), r(2, 64)), (tiny_moe(n_group=2), r(2, 64))),          # group-limited routing
@@ -707,10 +714,10 @@ def test_router_topk_kernel(N, E, D, k, dtype):
     weight = (torch.randn(E, D, generator=g) / D**0.5).to(torch.bfloat16).float().to(KERNEL_DEVICE)  # a bf16 checkpoint
     bias = (torch.randn(E, generator=g) * 0.1).to(KERNEL_DEVICE)
     for norm in (True, False):
-        w, ids = launch("router_topk", x, weight, bias, k, norm, 2.827)
-        w_ref, ids_ref = M.router_topk.ref(x, weight, bias, k, norm, 2.827)
+        w, ids = launch("Gate.forward", router(weight, bias, k, norm, 2.827), x)
+        w_ref, ids_ref = M.Gate.forward.ref(router(weight, bias, k, norm, 2.827), x)
         assert ids.dtype == torch.int64 and torch.equal(ids, ids_ref), f"{ids} vs {ids_ref}"
-        assert_close(w, w_ref, 1e-5, f"router_topk weights N={N} E={E} D={D} norm={norm}")
+        assert_close(w, w_ref, 1e-5, f"router weights N={N} E={E} D={D} norm={norm}")
         _, _, pairs, prep = kernels._route(x, weight, bias, k, norm, 2.827, prep=True)    # the MoE part's call
         if N <= kernels.ROUTER_MAX_T:       # one launch: the pairs sorted by expert for the experts, as _moe_sort
             (pair_ids, slots), (pair_ref, slots_ref) = pairs, kernels._moe_sort(ids, E)

@@ -5,6 +5,7 @@ Run: python -m pytest -q tests/test_model.py"""
 import dataclasses
 import functools
 import json
+import types
 
 import pytest
 import torch
@@ -168,11 +169,10 @@ CONTRACT = {
     "linear": "x weight", "rms_norm": "x weight eps", "rope": "x cos sin interleaved",
     "mla_latent_to_cache": "kv weight eps cos sin cache slots",
     "mla_attention": "q_lat q_pe cache prefix_len tree_mask softmax_scale",
-    "router_topk": "x weight bias top_k norm scale n_group topk_group",
     # the parts: a block stack, attention, MLP and MoE method with one launcher each
     "Transformer.blocks": "self h cos sin caches start_pos tree_mask absorb slots hidden_layers debug",
     "MLA._absorbed": "self q_nope q_pe cache start_pos tree_mask", "MLP.forward": "self x",
-    "MoE.local": "self x", "Experts.forward": "self x weights ids",
+    "Gate.forward": "self x", "MoE.local": "self x", "Experts.forward": "self x weights ids",
 }
 
 
@@ -263,7 +263,8 @@ def test_int4_experts_equal_float_experts_on_the_dequantized_weights():
     ids = torch.tensor([[0, 3], [3, 5], [0, 5], [3, 0], [5, 3]])                     # experts 1, 2, 4 unused
     w = torch.rand(T, k, generator=g)
     w13, w2 = M.dequant_int4(w13p, s13), M.dequant_int4(w2p, s2)
-    want = M.routed_experts(x, w, ids, lambda e: (w13[e], w2[e]))
+    floats = types.SimpleNamespace(expert=lambda e: (w13[e], w2[e]))          # what the loop reads of self
+    want = M.Experts.forward.ref(floats, x, w, ids)
     dequantized = []
     experts = C.int4_experts(w13p, s13, w2p, s2)
     expert = experts.expert

@@ -5,7 +5,7 @@ Tests for train.py on CPU (< 90 s): a few stdlib files, a 512-token BPE, a tiny 
 
 Covers: the corpus split; the exported tiktoken.model reproduces the `tokenizers` BPE ids and round-trips
 text; the target's loss falls; export -> load_checkpoint gives the in-memory model's logits (INT4 experts,
-fp32 and bf16 exports); the dense training experts equal model.routed_experts; the drafter's batched
+fp32 and bf16 exports); the dense training experts equal model.Experts.forward; the drafter's batched
 training forward equals draft.py's inference forward at every anchor; a whole `train.main` run writes
 loadable files, a log and a model card; soft labels are the target's next-token
 distributions; --target-from reuses an exported target (and the log a killed run
@@ -14,6 +14,7 @@ leaves) without retraining it; the gpu preset fits TP 1/2/4/8, the kernels' shap
 import json
 import shutil
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -116,7 +117,8 @@ def test_dense_experts_equal_reference():
     scores = torch.rand(N, E, requires_grad=True)
     ids = torch.rand(N, E).topk(k, dim=-1)[1]
     outs = []
-    loop = lambda x, ids, w, w13, w2: M.routed_experts(x, w, ids, lambda e: (w13[e], w2[e]))
+    loop = lambda x, ids, w, w13, w2: M.Experts.forward.ref(types.SimpleNamespace(expert=lambda e: (w13[e], w2[e])),
+                                                              x, w, ids)
     for fn in (loop, TR.experts_dense):
         y = fn(x, ids, scores.gather(1, ids), w13, w2)
         grads = torch.autograd.grad((y * torch.linspace(-1, 1, D)).sum(), (x, w13, w2, scores))
