@@ -55,7 +55,7 @@ class AutoStep:
     def next_step(self, fits: bool, prompts: list[list[int]], outs: list[list[int]], hook=None):
         """One step for every row, a tree or one token as the controller says (one token when a
         tree does not fit); before a tree that follows one-token steps, catch_up. prompts, outs:
-        each row's tokens so far. Returns (a tree step?, each row's committed tokens)."""
+        each row's tokens so far. Returns each row's committed tokens (Step.run's)."""
         s, c = self.step, self.control
         is_tree = fits and c.tree()
         if is_tree and c.since_tree:
@@ -63,7 +63,7 @@ class AutoStep:
         rows = s.run(s.tree_step if is_tree else s.token_step, hook)
         live = [len(new) for new in rows if new]          # finished rows commit nothing
         c.observe(is_tree, sum(live) / len(live))
-        return is_tree, rows
+        return rows
 
     def catch_up(self, hook=None) -> None:
         """A step function, compiled or captured like tree_step and token_step: the drafter gets the

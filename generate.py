@@ -82,8 +82,7 @@ class Step:
         clock; None when compiled or captured (nothing inside the step waits for the device)."""
         m, d, s, lap = self.model, self.drafter, self.state, hook or (lambda stage: None)
         # 1. draft: one drafter forward (first caching the context rows of last step's path)
-        draft_logits = d.draft_logits(m, s.root, s.ctx_feats, s.ctx_len,
-                                      n_valid=s.new_ctx_len)                      # [B, L, V]
+        draft_logits = d.draft_logits(m, s.root, s.ctx_feats, s.ctx_len, s.new_ctx_len)  # [B, L, V]
         s.ctx_len += s.new_ctx_len
         lap("draft")
         # 2. build tree: the `budget` most probable prefixes (or the chain of top-1 tokens)
@@ -91,16 +90,15 @@ class Step:
                 else ddtree.build_tree_batched(draft_logits, s.root, self.budget))  # fields [B, N]
         lap("tree")
         # 3. verify: one target forward, node i at position start + depth_i seeing its ancestors
-        ids, positions, mask = verify.verify_inputs(tree, s.start)
-        logits, taps = m(ids, start_pos=s.start, positions=positions, tree_mask=mask,
-                         hidden_layers=self.taps, debug=self.debug)    # [B, N, V], [B, N, taps*D]
+        logits, taps = m(tree.tokens, start_pos=s.start, positions=s.start[:, None] + tree.depths,
+                         tree_mask=tree.ancestor_mask, hidden_layers=self.taps,
+                         debug=self.debug)                             # [B, N, V], [B, N, taps*D]
         lap("verify")
         # 4. accept: the target's token after every node, then the longest path it agrees with
         targets = verify.sample(logits, *self.sampling)                             # [B, N]
         accepted, path_len, bonus = verify.accept(tree, targets)           # [B, N], [B], [B]
         n = path_len * s.active                   # [B] tokens committed (finished rows: 0)
-        # 5. commit: the path's KV to slots start.. (finished rows: none), its hidden states to
-        #    the drafter's next context rows, its tokens after the root and the bonus to `out`
+        # 5. commit: the path's KV to slots start.., its hidden states to the drafter's context
         verify.commit_kv(m.kv_cache, s.start, accepted, n)
         k = min(self.width, d.block_size)
         torch.gather(taps, 1, accepted[:, :k, None].expand(-1, -1, taps.shape[-1]),
@@ -145,14 +143,12 @@ class Step:
         s.active.fill_(True)
 
     def run(self, fn, hook=None) -> list[list[int]]:
-        """One step, fn = self.tree_step or self.token_step: each row's committed tokens (finished
-        rows: [])."""
+        """One step, fn: self.tree_step or self.token_step. Each row's new tokens ([]: finished)."""
         self.launch(fn, hook)
         return [r[1:1 + r[0]] for r in self.state.out.tolist()]   # the step's one host copy
 
     def launch(self, fn, hook=None) -> None:
-        """fn once, with no host read: itself, or its compile or CUDA graph (runner.py). Keeps what
-        it returned (tree_step's View) for a viewer."""
+        """fn once, no host read: itself, or runner.py's compile or graph. Keeps what it returns."""
         self.view = fn(hook) if self.runner is None else self.runner(fn, self.state.snapshot)
 
     def __init__(self, model, drafter, batch, budget, chain, sampling, mode="eager", debug=False):
@@ -223,18 +219,15 @@ def generate(model: M.Transformer, prompt_ids: list[int], max_new_tokens: int, d
 
 @torch.no_grad()
 def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_tokens: int,
-                   drafter=None, *, budget: int | str = 8, chain: bool = False,
-                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, stop_ids=(),
-                   seed: int = 0, max_seq_len: int | None = None, mode: str = "eager",
-                   stats: Stats | None = None, on_tokens=None, on_step=None, debug: bool = False,
+                   drafter=None, *, budget: int | str = 8, chain=False, temperature=0.0, top_k=0,
+                   top_p=1.0, stop_ids=(), seed=0, max_seq_len: int | None = None, mode="eager",
+                   stats: Stats | None = None, on_tokens=None, on_step=None, debug=False,
                    steps: runner.Steps | None = None) -> list[list[int]]:
     """Decode several prompts at once, each in its own cache row, until each stops (stop token,
-    length, cache end). drafter=None or budget=0: autoregressive; chain=True: the DFlash chain (the
-    drafter's top-1 at each depth); budget="auto": autobudget.py picks a tree of AUTO_BUDGET or one
-    token before each step (sampled tokens then follow the target but do not repeat for a seed).
-    on_tokens(b, tokens): row b's committed tokens, each step. on_step(b, view, tokens): the same
-    after a tree step, with its View. mode: runner.MODES ("eager" times each stage). debug: NaN/inf
-    checks per layer, TP ranks agree. steps: where the step is kept for the next call (get_step)."""
+    length, cache end). drafter=None or budget=0: autoregressive; chain=True: the DFlash chain;
+    budget="auto": autobudget.py picks a tree or one token before each step. on_tokens(b, tokens):
+    row b's new tokens, each step; on_step(b, view, tokens): the same after a tree step, with its
+    View. mode: runner.MODES ("eager" times each stage). debug: NaN/inf checks, TP ranks agree."""
     stats = stats if stats is not None else Stats()
     max_seq_len = max_seq_len or model.max_seq_len or max(map(len, prompts)) + max_new_tokens + 80
     check_options(model, prompts, max_seq_len, budget, chain, temperature, mode)
@@ -242,8 +235,7 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
     drafter = drafter if budget > 0 or chain else None
     step = get_step(model, drafter, len(prompts), max_seq_len, budget, chain,
                     (temperature, top_k, top_p), mode, debug, steps)
-    rows = Rows(step, prompts, max_new_tokens, max_seq_len, stop_ids, on_tokens, on_step, stats,
-                temperature)
+    rows = Rows(step, prompts, max_new_tokens, max_seq_len, stop_ids, on_tokens, on_step, stats)
     clock = _Clock(model.embed_tokens.weight.device, stats)
     torch.manual_seed(seed)     # every sample draws from the default generator (a graph replays it)
     # 0. prefill: each prompt's KV, its first token, its context rows for the drafter
@@ -251,30 +243,23 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
     stats.prefill_s = clock.lap()
     for b, t in enumerate(step.state.root.tolist()):   # the first tokens, before attach steps on
         rows.emit(b, [t])
-    room = max_seq_len - max(map(len, prompts))
-    auto = A.attach(step, room) if auto and drafter is not None else None
+    auto = A.attach(step, max_seq_len - max(map(len, prompts))) if auto and drafter else None
     if auto:
         clock.lap()                      # untimed: on its first call attach times the steps
-    t_decode, hook = clock.t, clock.stage if mode == "eager" else None   # eager: time each stage
-    fits = drafter is not None
-    while True:
-        fits = rows.fit(step.width, fits)    # a tree while it fits, then one token, then none
-        if all(rows.done):
-            break
-        clock.laps = {}
+    t_decode, hook = clock.t, clock.lap if mode == "eager" else None   # eager: time each stage
+    fits = rows.fit(step.width, drafter is not None)   # a tree while it fits, then one token
+    while not all(rows.done):
+        stats.step_s.append({})          # the step's {stage: seconds}, from the clock's laps
         # 1-5. one step for every row: draft, build tree, verify, accept, commit (or one token)
-        if auto is None:
-            is_tree, new = fits, step.run(step.tree_step if fits else step.token_step, hook)
-        else:                            # --budget auto picks a tree or one token, and runs it
-            is_tree, new = auto.next_step(fits, prompts, rows.outs, hook)
-        rows.steps += 1
+        new = (step.run(step.tree_step if fits else step.token_step, hook) if auto is None
+               else auto.next_step(fits, prompts, rows.outs, hook))   # auto: a tree or one token
         if hook is None:
-            clock.stage("verify")        # compiled, captured or static: the whole step's time
-        stats.step_s.append(clock.laps)
-        stats.budgets[step.width - 1 if is_tree else 0] += 1   # a chain: its drafted tokens
+            clock.lap("verify")          # compiled, captured or static: the whole step's time
+        stats.budgets[0 if step.view is None else step.width - 1] += 1   # chain: drafted tokens
         if debug:
             check_ranks_agree(new)
         rows.take(new, step.view)        # 6. stream them; a row stops on a stop token or length
+        fits = rows.fit(step.width, fits)
     clock.lap()
     stats.new_tokens, stats.decode_s = sum(map(len, rows.outs)), clock.t - t_decode
     return rows.outs
@@ -286,27 +271,25 @@ class Rows:
     the cache's end); finish masks the row in the step."""
 
     def __init__(self, step: Step, prompts, max_new_tokens: int, max_seq_len: int, stop_ids,
-                 on_tokens, on_step, stats: Stats, temperature: float):
+                 on_tokens, on_step, stats: Stats):
         self.step, self.max_new_tokens, self.max_seq_len = step, max_new_tokens, max_seq_len
         self.outs, self.done = [[] for _ in prompts], [False] * len(prompts)
         self.lens = [len(p) for p in prompts]
         self.stop, self.on_tokens, self.on_step = set(int(t) for t in stop_ids), on_tokens, on_step
-        self.stats, self.temperature, self.steps = stats, temperature, 0
+        self.stats = stats
 
     def fit(self, width: int, tree: bool) -> bool:
-        """The cache-fit rule, before each step: a tree step needs `width` free slots in every
-        decoding row, else every row takes one token a step from then on (returns False); a row
-        without room for that finishes."""
+        """Before each step: a tree step needs `width` free cache slots in every decoding row, else
+        every row takes one token a step from then on (False); a row with no free slot finishes."""
         room = [self.max_seq_len - n for n in self.lens]           # free slots per row
         tree = tree and all(d or r >= width for d, r in zip(self.done, room))
         for b, r in enumerate(room):
-            if not self.done[b] and r < (width if tree else 1):
+            if r < 1 and not self.done[b]:
                 self.finish(b, f"cache full (--max-seq-len {self.max_seq_len})")
         return tree
 
     def take(self, new: list[list[int]], view: View | None) -> None:
-        """A step's committed tokens, row by row (new[b]; finished rows: none): counted, shown
-        (on_step, after a tree step: view) and streamed (emit)."""
+        """A step's new tokens, row by row: counted, shown (on_step, after a tree step), emitted."""
         for b, tokens in enumerate(new):
             if not self.done[b]:
                 self.lens[b] += len(tokens)
@@ -317,18 +300,16 @@ class Rows:
 
     def emit(self, b: int, tokens: list[int]) -> None:
         """Append row b's tokens, up to a stop token or the length limit (then the row finishes).
-        A verify.NO_TOKEN ends the run after the tokens before it (the target has no next token)."""
-        out, n0 = self.outs[b], len(self.outs[b])
-        for t in tokens:
-            if t == verify.NO_TOKEN:
-                break
+        Only the last (a bonus) can be verify.NO_TOKEN: the run ends after the tokens before it."""
+        out, n0, no_token = self.outs[b], len(self.outs[b]), tokens[-1] == verify.NO_TOKEN
+        for t in tokens[:-1] if no_token else tokens:
             out.append(t)
             if t in self.stop or len(out) >= self.max_new_tokens:
                 self.finish(b, "stop token" if t in self.stop else "max_new_tokens")
                 break
         if self.on_tokens:
             self.on_tokens(b, out[n0:])
-        if tokens[-1] == verify.NO_TOKEN and not self.done[b]:
+        if no_token and not self.done[b]:
             raise self.no_token(b)
 
     def finish(self, b: int, why: str) -> None:
@@ -338,10 +319,11 @@ class Rows:
     def no_token(self, b: int) -> RuntimeError:
         """The target's logits after row b's last position gave no token (verify.NO_TOKEN): the
         run's end, an error naming the step and the position."""
-        when = f"decoding step {self.steps}" if self.steps else "prefill"
+        steps = len(self.stats.step_s)
+        when = f"decoding step {steps}" if steps else "prefill"
         when += f", prompt {b}" * (len(self.done) > 1)
-        over = f", or past float32 divided by the temperature {self.temperature:g}" \
-            if self.temperature else ""
+        t = self.step.sampling[0]     # the temperature
+        over = f", or past float32 divided by the temperature {t:g}" if t else ""
         return RuntimeError(f"{when}: the target's logits after position {self.lens[b] - 1} give no "
                             f"token (NaN or inf{over}); --debug names the first layer that makes NaN "
                             f"or inf")
@@ -388,8 +370,6 @@ class Stats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     accept_lens: list = field(default_factory=list)
-    stage_s: dict = field(default_factory=lambda: {"draft": 0.0, "tree": 0.0, "verify": 0.0,
-                                                   "commit": 0.0})
     step_s: list = field(default_factory=list)   # per step {stage: s} (eager: each stage)
     budgets: Counter = field(default_factory=Counter)   # steps run at each budget (0: one token)
     stopped: str = ""
@@ -398,6 +378,12 @@ class Stats:
     def tokens_per_s(self) -> float:
         """Decode speed: tokens after the first (which prefill produces) over the decode time."""
         return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def stage_s(self) -> dict:
+        """Seconds per stage, summed over step_s."""
+        stages = ("draft", "tree", "verify", "commit")
+        return {k: sum(s.get(k, 0.0) for s in self.step_s) for k in stages}
 
     @property
     def mean_accept(self) -> float:
@@ -416,20 +402,16 @@ class _Clock:
     """Wall-clock laps; on CUDA a lap synchronizes first, so each stage's time is its own."""
 
     def __init__(self, device: torch.device, stats: Stats):
-        self.cuda, self.stats, self.laps = device.type == "cuda", stats, {}
-        self.t = time.perf_counter()
+        self.cuda, self.stats, self.t = device.type == "cuda", stats, time.perf_counter()
 
-    def lap(self) -> float:
+    def lap(self, stage: str | None = None) -> float:
+        """Seconds since the last lap; given a stage (eager: the step's hook), that stage's time."""
         if self.cuda:
             torch.cuda.synchronize()
-        now = time.perf_counter()
-        dt, self.t = now - self.t, now
-        return dt
-
-    def stage(self, name: str) -> None:
-        """The step's hook in eager mode: the time since the last lap was stage `name`'s."""
-        self.laps[name] = dt = self.lap()
-        self.stats.stage_s[name] += dt
+        t, self.t = self.t, time.perf_counter()
+        if stage:
+            self.stats.step_s[-1][stage] = self.t - t
+        return self.t - t
 
 
 if __name__ == "__main__":        # `python generate.py`: the command line (cli.py) over this module

@@ -77,13 +77,11 @@ class Tree:
 
 @kernels.fast
 def rank_topk(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logp [..., V] float32 -> (lp, tok) [..., k]: the k best tokens of each row by (logp desc,
-    token id asc), and their logp; a non-finite logp counts as -inf. One unique int64 key per token
-    orders like that pair, so topk has no tie to break its own way (and nothing sorts all of V)."""
+    """logp [..., V] float32 -> (lp, tok) [..., k]: each row's first k ranks (module doc). A unique
+    int64 key per token orders like (logp desc, id asc), so topk (no sort of V) breaks no tie."""
     V = logp.shape[-1]
     logp = torch.where(logp.isfinite(), logp, float("-inf"))  # NaN's bits would rank it first
-    # + 0.0 turns -0.0 into 0.0, which must tie with it
-    bits = (logp + 0.0).view(torch.int32).long()
+    bits = (logp + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0, which must tie with it
     high = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
     keys = (high << 32) | (V - 1 - torch.arange(V, device=logp.device))  # [..., V] int64
     tok = keys.topk(k, dim=-1).indices                                    # [..., k]
@@ -145,15 +143,13 @@ def ddtree_search(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budg
     """Ranked drafts lp / tok [b, L, K] (rank_tokens; K = min(budget, V)), roots [b] -> the Tree
     fields of N = budget + 1 nodes, build_tree_heap's tree bit for bit, in three steps:
 
-      1. expand (_expand): depth by depth, the children of the last depth's survivors are the
-         candidates and the best `budget` survive (a node of the tree has fewer than `budget`
-         better prefixes at its depth, so it survives every cut). Candidates are numbered: the
-         root, then each depth's survivors in rank-tuple order.
+      1. expand (_expand): depth by depth, the best `budget` children of the last survivors survive
+         (a tree node has fewer than `budget` better prefixes at its depth: no cut drops it).
+         Candidates are numbered: the root, then each depth's survivors in rank-tuple order.
       2. select: a stable sort by score (ties keep the numbering: key order); the first N win.
-      3. fields (_fields): each node's token, parent and depth; padding; the ancestor mask.
+      3. fields: tokens, depths, parents as node indices; padding and the ancestor mask (_tree).
 
-    A worked example: L = 3, tokens a b c d (ids 0-3), budget 4 (so K = 4). The drafter's
-    probabilities, and each depth's tokens by rank:
+    A worked example: L = 3, tokens a b c d (ids 0-3), budget 4 (so K = 4), the drafter's q:
 
                    a     b     c     d      by rank
       depth 1    0.10  0.60  0.25  0.05     b c a d
@@ -173,13 +169,18 @@ def ddtree_search(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budg
     """
     score, parent, token, depth = _expand(lp, tok, roots, budget)   # 1. every candidate [b, 1+M]
     sel = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :budget + 1]  # 2.
-    return _astuple(_fields(sel, score, parent, token, depth, budget, lp.shape[1]))     # 3.
+    # 3. a selected node's parent is selected: its candidate number becomes its node index
+    node = torch.arange(sel.shape[1], device=sel.device).expand_as(sel)               # [b, n]
+    node_of = torch.zeros_like(parent).scatter_(1, sel, node)        # [b, 1+M] candidate -> node
+    p = parent.gather(1, sel)                                                         # [b, n]
+    parents = torch.where(p >= 0, node_of.gather(1, p.clamp(min=0)), -1)             # [b, n]
+    return _tree(token.gather(1, sel), parents, depth.gather(1, sel), score.gather(1, sel),
+                 budget, lp.shape[1])
 
 
 def _expand(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budget: int) -> list:
-    """Step 1 -> each candidate's score [b, 1+M] float32, parent (a candidate; the root's -1),
-    token and depth [b, 1+M]. Survivors stay in rank-tuple order, so do their children, laid out
-    (parent, rank): a stable sort by score keeps key order. test_frontier_lex_order_regression."""
+    """Step 1 -> each candidate's score (float32), parent (a candidate; root: -1), token and depth
+    [b, 1+M], in rank-tuple order: survivors keep it, their children are laid out (parent, rank)."""
     bsz, L, K = lp.shape
     r = roots[:, None]                                                               # [b, 1]
     f_score, first = lp.new_zeros(bsz, 1), 0     # a depth's survivors, the first one's number
@@ -198,31 +199,17 @@ def _expand(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budget: in
     return [torch.cat(t, 1) for t in (score, parent, token, depth)]
 
 
-def _fields(sel: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, token: torch.Tensor,
-            depth: torch.Tensor, budget: int, L: int) -> Tree:
-    """Step 3: the Tree of the selected candidates sel [b, n] (node order, root first); each
-    parent, a candidate, becomes its node's index (a selected node's parent is selected)."""
-    node = torch.arange(sel.shape[1], device=sel.device).expand_as(sel)               # [b, n]
-    node_of = torch.zeros_like(parent).scatter_(1, sel, node)        # [b, 1+M] candidate -> node
-    p = parent.gather(1, sel)                                                         # [b, n]
-    parents = torch.where(p >= 0, node_of.gather(1, p.clamp(min=0)), -1)
-    return _tree(token.gather(1, sel), parents, depth.gather(1, sel), score.gather(1, sel),
-                 budget, L)
-
-
 def _tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
-          budget: int, max_depth: int) -> Tree:
-    """Node fields [b, n], root first, n <= N = budget + 1 -> the Tree: padding appended (only when
-    V is tiny: module doc) and the ancestor mask of a tree max_depth deep."""
-    b, n = tokens.shape
-    N = budget + 1
-    valid = torch.ones(b, n, dtype=torch.bool, device=tokens.device)                 # [b, n]
+          budget: int, max_depth: int) -> tuple:
+    """Node fields [b, n], root first, n <= N = budget + 1 -> the Tree's fields: padding appended
+    (only when V is tiny: module doc) and the ancestor mask of a tree max_depth deep."""
+    (b, n), N = tokens.shape, budget + 1
+    valid = torch.arange(N, device=tokens.device).expand(b, N) < n                  # [b, N]
     if n < N:
         pad = lambda t, v: F.pad(t, (0, N - n), value=v)                             # [b, N]
         tokens = torch.cat([tokens, tokens[:, :1].expand(b, N - n)], 1)
-        parents, depths, valid = pad(parents, -1), pad(depths, 0), pad(valid, False)
-        scores = pad(scores, float("-inf"))
-    return Tree(tokens, parents, depths, scores, valid, ancestor_mask(parents, max_depth))
+        parents, depths, scores = pad(parents, -1), pad(depths, 0), pad(scores, float("-inf"))
+    return tokens, parents, depths, scores, valid, ancestor_mask(parents, max_depth)
 
 
 def ancestor_mask(parents, max_depth: int | None = None) -> torch.Tensor:
@@ -230,17 +217,12 @@ def ancestor_mask(parents, max_depth: int | None = None) -> torch.Tensor:
     up, max_depth steps (default N - 1); a node without a parent is its own, so a walk stays."""
     parents = torch.as_tensor(parents, dtype=torch.long)
     N, dev = parents.shape[-1], parents.device
-    node = torch.arange(N, device=dev).expand_as(parents)                           # [..., N]
-    up = torch.where(parents >= 0, parents, node)                                    # [..., N]
-    walk = [node]
-    for _ in range(max(N - 1, 0) if max_depth is None else max_depth):
+    walk = [torch.arange(N, device=dev).expand_as(parents)]   # [..., N] each node, then a step up
+    up = torch.where(parents >= 0, parents, walk[0])                                 # [..., N]
+    for _ in range(N - 1 if max_depth is None else max_depth):
         walk.append(up.gather(-1, walk[-1]))                     # each node's next step up
     mask = torch.zeros(*parents.shape, N, dtype=torch.bool, device=dev)              # [..., N, N]
     return mask.scatter_(-1, torch.stack(walk, -1), True)
-
-
-def _astuple(tr: Tree) -> tuple:
-    return tuple(getattr(tr, f.name) for f in fields(tr))
 
 
 # -----------------------------------------------------------------------------
@@ -280,7 +262,7 @@ def chain_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequenc
     depths = torch.arange(n + 1, device=dev).repeat(bsz, 1)                    # [b, n+1]
     zero = torch.zeros(bsz, 1, dtype=torch.float32, device=dev)               # [b, 1] the root's
     scores = torch.cat([zero, score], 1)                                       # [b, n+1]
-    return _tree(tokens, parents, depths, scores, length, n)
+    return Tree(*_tree(tokens, parents, depths, scores, length, n))
 
 
 def chain_tree(draft_logits: torch.Tensor, root: int | torch.Tensor, length: int) -> Tree:
@@ -349,7 +331,7 @@ if __name__ == "__main__":
     logits = torch.randn(4, len(words)) * torch.tensor([[4.0], [3.0], [2.0], [1.5]])  # [L=4, V=10]
     tree = build_tree(logits, root=0, budget=12)
     heap = build_tree_heap(logits, 0, 12)
-    assert all(torch.equal(a, b) for a, b in zip(_astuple(tree), _astuple(heap)))
+    assert all(torch.equal(getattr(tree, f.name), getattr(heap, f.name)) for f in fields(Tree))
     deepest = int(tree.depths.argmax())  # pretend the target agreed with the deepest node's path
     accepted = tree.ancestor_mask[deepest].nonzero()[:, 0]
     print(LEGEND + "\n")

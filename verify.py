@@ -1,8 +1,9 @@
-"""Tree verification for DDTree: the target's input for a candidate tree, the lossless acceptance
-rule, and the commit of the accepted path into the compressed KV cache.
+"""Tree verification for DDTree: the lossless acceptance rule, and the commit of the accepted path
+into the compressed KV cache.
 
 Invariants:
-  * one target forward verifies the whole tree: node i sits at position start + depth_i and attends
+  * one target forward verifies the whole tree (generate.Step.tree_step: the tree's tokens, its
+    ancestor mask, positions start + depths): node i sits at position start + depth_i and attends
     to the committed prefix plus its own ancestors, so its logits are exactly the logits
     autoregressive decoding would compute after the path root..i;
   * acceptance follows the target's own decoding rule (argmax, or one sample per node at
@@ -25,15 +26,6 @@ import torch.nn.functional as F
 
 import kernels
 from tree import Tree
-
-
-def verify_inputs(tree: Tree, start_pos: torch.Tensor | int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Batched tree [B, N] -> the target's input: ids [B, N], positions start + depth [B, N], and
-    tree_mask = the ancestor mask [B, N, N] (node i's KV goes to slot start + i; it sees the
-    committed prefix, its ancestors and itself)."""
-    start = torch.as_tensor(start_pos, device=tree.tokens.device).view(-1, 1)  # [B, 1]
-    return tree.tokens, start + tree.depths, tree.ancestor_mask
 
 
 NO_TOKEN = -1           # sample() where a row has no token: no tree node has it, so none matches it
@@ -78,20 +70,17 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
            generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of logits [..., V] (fp32): argmax at temperature 0, else a sample from
     sampling_probs with no host sync: argmax(p / E), E ~ Exponential(1), is distributed as p. A row
-    with a NaN or +inf logit, only -inf, or logits / T past fp32 has no token: NO_TOKEN (the
-    tree's path ends there, and the decoding loop stops with an error)."""
+    with a NaN or +inf logit, only -inf, or logits / T past fp32 has no token: NO_TOKEN."""
     if temperature <= 0:
         top, tok = logits.max(dim=-1)     # one pass: argmax (first of ties), max (NaN if any is)
         return torch.where(top.isfinite(), tok, NO_TOKEN)
     probs = sampling_probs(logits, temperature, top_k, top_p)
-    noise = torch.empty_like(probs).exponential_(1, generator=generator)
-    tok = (probs / noise).argmax(dim=-1)
+    tok = (probs / torch.empty_like(probs).exponential_(1, generator=generator)).argmax(dim=-1)
     return torch.where(probs[..., 0].isnan(), NO_TOKEN, tok)   # softmax makes such rows all NaN
 
 
 @kernels.fast
-def accept(tree: Tree,
-           target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def accept(tree: Tree, target_tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The longest root-to-node path whose every token is the target's token after its parent:
     tree [B, N], target_tokens [B, N] -> accepted [B, N] (the path, root first, its last node
     repeated), path_len [B] (its nodes = tokens committed, bonus included), bonus [B]."""
@@ -101,14 +90,13 @@ def accept(tree: Tree,
     # on the path iff every ancestor below the root matches (bools: mask <= match = "implies")
     ok = (tree.ancestor_mask[:, :, 1:] <= match[:, None, 1:]).all(dim=-1)           # [B, N]
     # siblings carry distinct tokens: at most one child matches, the ok nodes form one chain
-    path_len = ok.sum(dim=-1)                                                     # [B]
     deepest = torch.where(ok, tree.depths, -1).argmax(dim=-1, keepdim=True)         # [B, 1]
     # each path node to its depth (the others to a dump column N); the rest repeat the deepest
     accepted = deepest.repeat(1, N + 1)                                             # [B, N+1]
     node_ids = torch.arange(N, device=tree.tokens.device).expand(B, N)              # [B, N]
     accepted.scatter_(1, torch.where(ok, tree.depths, N), node_ids)
     bonus = target_tokens.gather(1, deepest).squeeze(1)                             # [B]
-    return accepted[:, :N], path_len, bonus
+    return accepted[:, :N], ok.sum(dim=-1), bonus                 # path_len [B]: the chain's nodes
 
 
 @kernels.fast
@@ -121,7 +109,6 @@ def commit_kv(kv_cache: torch.Tensor, start_pos: torch.Tensor | int, accepted: t
     start = torch.as_tensor(start_pos, device=accepted.device).view(-1, 1).expand(B, 1)  # [B, 1]
     j = torch.arange(N, device=accepted.device)                                           # [N]
     src = start + torch.where(j < path_len.view(B, 1), accepted, j)                     # [B, N]
-    kv = kv_cache[:, :B]  # [n_layers, B, S, C]
-    # [n_layers, B, N, C]
-    slots = lambda t: t[None, :, :, None].expand(kv.shape[0], B, N, kv.shape[3])
+    kv = kv_cache[:, :B]                                                       # [n_layers, B, S, C]
+    slots = lambda t: t[None, :, :, None].expand(len(kv), B, N, kv.shape[3])  # [n_layers, B, N, C]
     kv.scatter_(2, slots(start + j), kv.gather(2, slots(src)))  # gathered first: no aliasing

@@ -414,8 +414,7 @@ def test_any_drafter_output_keeps_the_root(kind):
 
 def test_no_host_sync_in_builder():
     for fn in (ddtree.build_tree, ddtree.build_tree_batched, ddtree.ddtree_search, ddtree.rank_tokens, ddtree.rank_topk,
-               ddtree._expand, ddtree._fields, ddtree._tree, ddtree.ancestor_mask, ddtree.chain_tree,
-               ddtree.chain_tree_batched):
+               ddtree._expand, ddtree._tree, ddtree.ancestor_mask, ddtree.chain_tree, ddtree.chain_tree_batched):
         src = code_of(fn)
         for bad in (".item(", ".tolist(", ".cpu(", ".numpy(", "nonzero("):
             assert bad not in src, f"{fn.__name__} calls {bad}"

@@ -1,5 +1,5 @@
-"""verify.py on a hand-built tree: inputs (ids, positions, mask), the acceptance walk and the KV commit
-against hand-written answers. Run: python -m pytest -q tests/test_verify.py"""
+"""verify.py on a hand-built tree: the verify mask, the acceptance walk and the KV commit against hand-written
+answers. Run: python -m pytest -q tests/test_verify.py"""
 import pytest
 import torch
 
@@ -22,14 +22,11 @@ def five_node_tree() -> Tree:
                 scores=torch.zeros(1, 5), valid=torch.ones(1, 5, dtype=torch.bool), ancestor_mask=mask)
 
 
-def test_inputs():
-    tr = five_node_tree()
+def test_mask():
+    """The target sees the tree's tokens at positions start + depth (siblings share one) under its ancestor mask:
+    each node's row marks the root, its ancestors and itself."""
     from tree import ancestor_mask
-    assert torch.equal(ancestor_mask([-1, 0, 0, 1, 3]), tr.ancestor_mask[0])
-    ids, pos, mask = verify.verify_inputs(tr, 7)
-    assert ids.tolist() == [[10, 11, 12, 13, 14]]
-    assert pos.tolist() == [[7, 8, 8, 9, 10]]                  # start + depth: siblings share a position
-    assert torch.equal(mask, tr.ancestor_mask)
+    assert torch.equal(ancestor_mask([-1, 0, 0, 1, 3]), five_node_tree().ancestor_mask[0])
 
 
 def test_walks():
