@@ -1376,8 +1376,7 @@ def deferred_block(layer, h, r, cos, sin, cache, start_pos, tree_mask, absorb, s
           hidden_layers, debug: _glue(h) and not debug)
 def blocks(self, h, cos, sin, caches, start_pos, tree_mask, absorb, slots, hidden_layers, debug):
     r, taps = None, []
-    for i, layer in enumerate(self.layers):
-        cache = None if caches is None else caches[i]
+    for i, (layer, cache) in enumerate(zip(self.layers, caches)):
         h, r = deferred_block(layer, h, r, cos, sin, cache, start_pos, tree_mask, absorb, slots)
         if i in hidden_layers:
             taps.append(h + r.to(h.dtype))

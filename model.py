@@ -29,7 +29,6 @@ Tests: python -m pytest -q tests/test_model.py
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -397,7 +396,7 @@ class MLA(nn.Module):
     def _absorbed(self, q_nope, q_pe, cache, start_pos, tree_mask):
         """W_UK absorbed into the query, W_UV into the output: attention over the R+P cached values
         per token (decode / verify: memory-bound, reads only the compressed cache)."""
-        wkv_b = self.kv_b_proj.weight.view(self.n_heads, -1, self.kv_lora_rank)      # [H, nope+v, R]
+        wkv_b = self.kv_b_proj.weight.view(self.n_heads, -1, self.kv_lora_rank)     # [H, nope+v, R]
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :self.nope])          # [B, T, H, R]
         prefix = _starts(start_pos, q_nope.shape[0], q_nope.device)                    # [B]
         o_lat = mla_attention(q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)
@@ -472,8 +471,8 @@ class Gate(nn.Module):
 
     @kernels.fast
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """noaux_tc: x [N, D] -> (weights [N, k] fp32, expert ids [N, k] by descending score + bias):
-        sigmoid scores in fp32; the bias steers the choice only."""
+        """noaux_tc: x [N, D] -> (weights [N, k] fp32, expert ids [N, k] by descending score +
+        bias): sigmoid scores in fp32; the bias steers the choice only."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()                        # [N, E]
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:
@@ -492,22 +491,17 @@ class Gate(nn.Module):
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """[..., I/8] int32 words -> [..., I] int8 values q in [-8, 7]."""
-    assert packed.dtype == torch.int32, f"want int32 words, got {packed.dtype}"
-    # read as little-endian bytes: byte j of word k holds columns 8k + 2j (low nibble), 8k + 2j + 1
-    assert sys.byteorder == "little", "unpack_int4 reads the words' bytes: big-endian host"
-    b = packed.contiguous().view(torch.uint8)                        # [..., I/2]
-    u = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)           # [..., I] nibble values 0..15
-    return u.to(torch.int8) - 8                                      # q = u - 8 in [-8, 7]
+    """[..., I/8] int32 words -> [..., I] int8 values q in [-8, 7]: nibble i of word k is column
+    8k + i (shifts, so the host's byte order does not matter)."""
+    nibbles = packed[..., None] >> torch.arange(0, 32, 4, device=packed.device)     # [..., I/8, 8]
+    return (nibbles & 0xF).to(torch.int8).flatten(-2) - 8                           # q = u - 8
 
 
 def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, group_size: int = 32) -> torch.Tensor:
     """packed [..., O, I/8] int32, scale [..., O, I/group_size] -> W [..., O, I], scale's dtype"""
-    q = unpack_int4(packed)                                          # [..., O, I]
-    assert q.shape[-1] == scale.shape[-1] * group_size, (
-        f"{tuple(q.shape)}, scale {tuple(scale.shape)}, group {group_size}")
-    w = q.view(*q.shape[:-1], -1, group_size).to(scale.dtype) * scale.unsqueeze(-1)
-    return w.flatten(-2)
+    q = unpack_int4(packed).unflatten(-1, (-1, group_size))              # [..., O, I/group, group]
+    assert q.shape[-2] == scale.shape[-1], f"{tuple(packed.shape)}, scale {tuple(scale.shape)}"
+    return (q.to(scale.dtype) * scale[..., None]).flatten(-2)
 
 
 class Experts(nn.Module):
@@ -540,14 +534,14 @@ class Experts(nn.Module):
 
     @kernels.fast
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [N, D], weights / ids [N, k] -> this rank's Σ_k weights[:, k] SwiGLU_e(x), e = ids[:, k]:
-        [N, D] fp32. Each used expert runs on its own rows only, one at a time (INT4: one dequantized
-        at a time, so memory stays bounded)."""
+        """x [N, D], weights / ids [N, k] -> this rank's Σ_k weights[:, k] SwiGLU_e(x) with
+        e = ids[:, k], [N, D] fp32. Each used expert runs on its own rows only, one at a time (INT4:
+        one dequantized at a time, so memory stays bounded)."""
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)                    # [N, D]
         for e in ids.unique().tolist():
-            n, k = (ids == e).nonzero(as_tuple=True)      # the rows routed to e, and at which choice
+            n, k = (ids == e).nonzero(as_tuple=True)     # the rows routed to e, and at which choice
             w13, w2 = self.expert(e)                                         # [2I/ws, D], [D, I/ws]
-            gate, up = F.linear(x[n].to(w13.dtype), w13).chunk(2, dim=-1)                 # [n, I] each
+            gate, up = F.linear(x[n].to(w13.dtype), w13).chunk(2, dim=-1)              # [n, I] each
             y.index_add_(0, n, F.linear(F.silu(gate) * up, w2).float() * weights[n, k, None])
         return y
 
@@ -677,7 +671,7 @@ class Transformer(nn.Module):
             cos, sin = rope_cos_sin(self.inv_freq, self.rope_attn_factor, positions, h.dtype)
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]          # [B, T, P] each
-        caches = None if start_pos is None else self.kv_cache[:, cache_row:]   # [L, B.., S, R+P]
+        caches = [None] * len(self.layers) if start_pos is None else self.kv_cache[:, cache_row:]
         h, taps = self.blocks(h, cos, sin, caches, start_pos, tree_mask, absorb, slots,
                               hidden_layers, debug)
         logits = self.head(self.norm(h[:, -1:] if last_only else h))
@@ -688,11 +682,10 @@ class Transformer(nn.Module):
     @kernels.fast
     def blocks(self, h, cos, sin, caches, start_pos, tree_mask, absorb, slots, hidden_layers,
                debug) -> tuple[torch.Tensor, list]:
-        """h [B, T, D] through every Block -> (the last one's output, [the outputs of hidden_layers]).
-        caches: the layers' cache rows [L, B, S, R+P], or None; the rest as in MLA.forward."""
+        """h [B, T, D] through every Block -> (the last one's output, [hidden_layers' outputs]).
+        caches: the layers' cache rows [L, B, S, R+P] (or Nones); the rest as in MLA.forward."""
         taps = []
-        for i, layer in enumerate(self.layers):
-            cache = None if caches is None else caches[i]
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h = layer(h, cos, sin, cache, start_pos, tree_mask, absorb, slots)
             if debug:
                 check_finite(h, f"layer {i} output")
