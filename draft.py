@@ -155,9 +155,8 @@ class Attention(nn.Module):
 
     def forward(self, x, f, cos, sin, mask=None, cache: BlockCache | None = None) -> torch.Tensor:
         """x [B, N, D]: the block's rows (normed); f [B, n, D]: the context rows (fused features);
-        cos / sin [B, n + N, hd], context first. One q/k/v projection serves both ("KV injection"),
-        and the block's queries attend over the K/V of [f | x] -> [B, N, D]: through the cache, or
-        with no cache concatenated (the plain drafter; block row i sees the keys mask[b, i])."""
+        cos / sin [B, n + N, hd]. One q/k/v projection serves both ("KV injection"); the block's
+        queries attend over the K/V of [f | x] -> [B, N, D], through the cache or concatenated."""
         B, n = x.shape[0], f.shape[1]
         qkv = self.qkv_proj(torch.cat([f, x], 1))                            # [B, n+N, (H+2KV) hd]
         if cache is None:
@@ -304,12 +303,10 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(f)
 
     @torch.no_grad()
-    def cached_forward(self, block_embeds: torch.Tensor, ctx_feats: torch.Tensor,
-                       ctx_len: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
-        """The cached forward, fixed shapes: block_embeds [B, bs, D]; ctx_feats [B, n, n_taps*D]:
-        row b's first n_valid[b] are the features of its tokens at positions ctx_len[b].. (committed
-        since its last call), the rest (at most bs) padding -> normalized hidden states [B, bs, D]
-        of the block. The caller keeps ctx_len + n_valid <= max_ctx_len (a check would sync)."""
+    def cached_forward(self, block_embeds, ctx_feats, ctx_len, n_valid) -> torch.Tensor:
+        """block_embeds [B, bs, D]; ctx_feats [B, n, n_taps*D]: row b's first n_valid[b] are its
+        tokens committed since the last call, at positions ctx_len[b].., the rest padding -> the
+        block's normed hidden states [B, bs, D]. ctx_len + n_valid <= max_ctx_len: the caller's."""
         if self.ctx_cache is None:
             raise RuntimeError("call setup_cache(max_batch_size, max_ctx_len) first")
         bs, n, ids = block_embeds.shape[1], ctx_feats.shape[1], self.ids
@@ -344,8 +341,7 @@ class DFlashDrafter(nn.Module):
             self.ctx_cache[i, 1, row:row + B, ctx_len:ctx_len + n] = v
 
     @torch.no_grad()
-    def draft_logits(self, target: M.Transformer, last_token: torch.Tensor, ctx_feats: torch.Tensor,
-                     ctx_len: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, target, last_token, ctx_feats, ctx_len, n_valid) -> torch.Tensor:
         """last_token [B] (the root) -> fp32 logits [B, bs-1, V] of the tokens after it (the rest:
         cached_forward's). Under TP: embedding all-reduce, cached_forward's, lm_head all-gather."""
         a, B = self.args, last_token.shape[0]

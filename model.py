@@ -172,9 +172,8 @@ class ParallelEmbedding(nn.Module):
         if world_size == 1:
             return F.embedding(tokens, self.weight)
         local = tokens - rank * self.part
-        outside = (local < 0) | (local >= self.part)
-        y = F.embedding(local.masked_fill(outside, 0), self.weight)
-        y = y.masked_fill(outside.unsqueeze(-1), 0)
+        out = (local < 0) | (local >= self.part)                  # another rank's rows
+        y = F.embedding(local.masked_fill(out, 0), self.weight).masked_fill(out[..., None], 0)
         dist.all_reduce(y)                      # each token's row lives on exactly one rank
         return y
 
@@ -259,8 +258,7 @@ def rope_cos_sin(inv_freq: torch.Tensor, attn_factor: float, positions: torch.Te
 
 
 @kernels.fast
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         interleaved: bool = True) -> torch.Tensor:
+def rope(x, cos, sin, interleaved: bool = True) -> torch.Tensor:
     """Rotate each pair (x1, x2) of x [B, T, (H,) P] (x[2i], x[2i+1] when interleaved, else x[i],
     x[i + P/2]) by cos / sin [B, T, P] (rope_cos_sin): x * (cos, cos) + (x2, x1) * (-sin, sin)."""
     if x.dim() == 4:
@@ -281,8 +279,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 # compressed cache. The new tokens see the committed prefix and, among themselves, what the tree
 # mask allows (their ancestors).
 
-def mla_latent(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-               sin: torch.Tensor):
+def mla_latent(kv, weight, eps: float, cos, sin) -> torch.Tensor:
     """kv_a_proj_with_mqa's output kv [B, T, R+P] -> what the cache keeps per token [B, T, R+P]:
     the normed latent (every head's key and value) and the roped shared key."""
     R = weight.shape[0]
@@ -290,12 +287,10 @@ def mla_latent(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Te
 
 
 @kernels.fast
-def mla_latent_to_cache(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                        sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+def mla_latent_to_cache(kv, weight, eps: float, cos, sin, cache, slots) -> None:
     """cache[b, slots[b, t]] = mla_latent(kv)[b, t] in place: cache [Bmax, S, R+P], slots [B, T]"""
     latent = mla_latent(kv, weight, eps, cos, sin)                                  # [B, T, R+P]
-    B, T, C = latent.shape
-    cache[:B].scatter_(1, slots[:, :, None].expand(B, T, C), latent.to(cache.dtype))
+    cache[:len(kv)].scatter_(1, slots[..., None].expand_as(latent), latent.to(cache.dtype))
 
 
 @kernels.fast
@@ -345,10 +340,9 @@ class MLA(nn.Module):
             self.softmax_scale *= yarn_mscale(args.rope_factor, args.mscale_all_dim) ** 2
 
     def forward(self, x, cos, sin, cache, start_pos, tree_mask, absorb=False, slots=None):
-        """x [B, T, D] -> [B, T, D]. cache: this layer's [Bmax, S, R+P] slice, the new tokens'
-        latents written at slots [B, T] (start_pos + [0, T)), or None: attention over x alone.
-        tree_mask [B, T, T] bool: what the new tokens see among themselves (the prefix before
-        start_pos is always visible). absorb: attend over the compressed cache (decode, verify)."""
+        """x [B, T, D] -> [B, T, D]. cache: this layer's rows [Bmax, S, R+P] (the new latents go to
+        slots [B, T]), or None: attention over x alone; tree_mask, start_pos: Transformer.forward's;
+        absorb: attend over the compressed cache (decode, verify)."""
         B, T, _ = x.shape
         q_a, kv = self.qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim],
                                            -1)                   # [B, T, q_lora_rank], [B, T, R+P]
@@ -534,9 +528,8 @@ class Experts(nn.Module):
 
     @kernels.fast
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [N, D], weights / ids [N, k] -> this rank's Σ_k weights[:, k] SwiGLU_e(x) with
-        e = ids[:, k], [N, D] fp32. Each used expert runs on its own rows only, one at a time (INT4:
-        one dequantized at a time, so memory stays bounded)."""
+        """x [N, D], weights / ids [N, k] -> this rank's Σ_k weights[:, k] SwiGLU_{ids[:, k]}(x)
+        [N, D] fp32: each used expert on its own rows, one at a time (INT4: bounded memory)."""
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)                    # [N, D]
         for e in ids.unique().tolist():
             n, k = (ids == e).nonzero(as_tuple=True)     # the rows routed to e, and at which choice
@@ -564,11 +557,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] -> routed + shared experts [..., D], fp32 (the next residual add rounds it)"""
-        shape = x.shape
-        y = self.local(x.reshape(-1, shape[-1]))
+        y = self.local(x.flatten(0, -2))                                               # [N, D]
         if world_size > 1:
             dist.all_reduce(y)      # one all-reduce per MoE layer: routed + shared summed first
-        return y.view(shape)
+        return y.view_as(x)
 
     @kernels.fast
     def local(self, x: torch.Tensor) -> torch.Tensor:
@@ -646,14 +638,12 @@ class Transformer(nn.Module):
     def max_seq_len(self) -> int:
         return 0 if self.kv_cache is None else self.kv_cache.shape[2]
 
-    def forward(self, tokens: torch.Tensor, start_pos=None, positions=None, tree_mask=None,
-                hidden_layers=(), absorb=None, last_only: bool = False, debug: bool = False,
-                cache_row: int = 0) -> Output:
-        """tokens [B, T] -> Output(logits [B, T or 1 (last_only), vocab] fp32, taps: the outputs of
-        hidden_layers, concatenated [B, T, len * D], or None). start_pos None: no cache; int or
-        LongTensor [B]: the tokens go to cache rows cache_row.. at slots start_pos + [0, T), and
-        see every slot before. tree_mask [B, T, T] bool: what they see among themselves (default
-        causal). positions [B, T]: rope positions (default the slots; verify: start + depth)."""
+    def forward(self, tokens, start_pos=None, positions=None, tree_mask=None, hidden_layers=(),
+                absorb=None, last_only=False, debug=False, cache_row=0) -> Output:
+        """tokens [B, T] -> Output (logits; taps: hidden_layers' outputs). start_pos None: no cache;
+        int or LongTensor [B]: the tokens go to cache rows cache_row.. at slots start_pos + [0, T)
+        and see every slot before; among themselves, tree_mask [B, T, T] (default causal).
+        positions [B, T]: rope positions (default the slots; verify: start + depth)."""
         B, T = tokens.shape
         slots = _slots(0 if start_pos is None else start_pos, B, T, tokens.device)     # [B, T]
         positions = slots if positions is None else positions

@@ -228,8 +228,7 @@ def ancestor_mask(parents, max_depth: int | None = None) -> torch.Tensor:
 # -----------------------------------------------------------------------------
 # What a decode step calls.
 
-def build_tree_batched(draft_logits: torch.Tensor, roots: torch.Tensor | Sequence[int],
-                       budget: int) -> Tree:
+def build_tree_batched(draft_logits, roots, budget: int) -> Tree:
     """[b, L, V] logits, [b] roots -> Tree of N = budget + 1 nodes ([b, N]): rank, then search."""
     bsz, L, V = draft_logits.shape
     roots = torch.as_tensor(roots, dtype=torch.long, device=draft_logits.device).reshape(bsz)  # [b]
