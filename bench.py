@@ -40,6 +40,7 @@ Modes:
     python bench.py e2e                                   # bundled tiny model + drafter (CPU ok)
     python bench.py e2e --budgets 4,16 --temperature 0 --max-new-tokens 64 --out runs/e2e.json
     python bench.py e2e --budgets auto,8 --prompts checkpoints/heldout_files.txt   # --budget auto beside budget 8
+    python bench.py e2e --batch 1,16,64 --budgets 8,auto     # batched: AR, DDTree-8 and auto at each batch size
     python bench.py e2e --budgets 1,8 --bound             # and the accept a perfect drafter would reach
     python bench.py e2e --ckpt random:k2.6 --one-rank-of 8 --budgets 8,16 --step-mode graph --temperature 0
                                                           # one H200: rank 0 of TP8, collectives not run
@@ -485,36 +486,43 @@ def accept_bounds(target, depth: int, prompt_ids, runs: list[dict], max_new_toke
 
 @torch.no_grad()
 def bench_batch(a, device, dtype) -> dict:
-    """--batch N,...: N requests decoded together (prompts cycled from the set), AR vs DDTree at the first
-    budget; tokens/s per request and in total. Greedy; per-row outputs must equal single-request decoding."""
+    """--batch N,...: N requests decoded together (prompts cycled from the set), AR, then DDTree at each --budgets
+    (auto: generate.py's --budget auto, with the share of steps it ran at each budget); tokens/s per request and
+    in total. Greedy: each mode's outputs must equal AR's at the same batch ("lossless")."""
     import generate as G
     ckpt, draft_dir = _e2e_paths(a)
     target = C.load_model(ckpt, device, dtype, progress=False)
     drafter = C.load_drafter(draft_dir, target.args, device, dtype) if draft_dir else None
     prompts = load_prompts(a.prompts, a.n_prompts)
     prompt_ids, _ = encode_prompts(prompts, a.tokenizer or ckpt, target.args.vocab_size, a.chat)
-    budget = a.budgets[0]
-    max_seq_len = a.max_seq_len or max(map(len, prompt_ids)) + a.max_new_tokens + budget + 16
+    modes = [("ar", 0)] + ([("auto" if b == "auto" else "ddtree", b) for b in a.budgets] if drafter else [])
+    widest = max(G.AUTO_BUDGET if b == "auto" else b for _, b in modes)
+    max_seq_len = a.max_seq_len or max(map(len, prompt_ids)) + a.max_new_tokens + widest + 16
     rows = []
     for n in a.batch:
         batch = [prompt_ids[i % len(prompt_ids)] for i in range(n)]
-        for mode in (["ar", "ddtree"] if drafter else ["ar"]):
-            kw = dict(drafter=drafter if mode == "ddtree" else None, budget=budget, max_seq_len=max_seq_len,
+        for mode, budget in modes:
+            kw = dict(drafter=drafter if budget else None, budget=budget, max_seq_len=max_seq_len,
                       mode=a.step_mode if a.step_mode != "eager" else "static")
             G.generate_batch(target, batch, a.max_new_tokens, **kw)                   # warm-up (and capture)
             st = G.Stats()
             outs = G.generate_batch(target, batch, a.max_new_tokens, stats=st, **kw)
+            ar = outs if mode == "ar" else ar
             tokens = sum(len(o) for o in outs)
-            rows.append({"batch": n, "mode": mode, "budget": budget if mode == "ddtree" else None,
-                         "tokens": tokens, "time_s": st.decode_s, "total_tokens_per_s": tokens / st.decode_s,
-                         "per_request_tokens_per_s": tokens / st.decode_s / n, "mean_accept": st.mean_accept})
-    print0(table(["batch", "mode", "budget", "tokens", "time s", "tok/s total", "tok/s per request", "accept"],
-                 [[r["batch"], r["mode"], _f(r["budget"], "d"), r["tokens"], _f(r["time_s"], ".2f"),
-                   _f(r["total_tokens_per_s"]), _f(r["per_request_tokens_per_s"]), _f(r["mean_accept"], ".2f")]
-                  for r in rows]))
+            rows.append({"batch": n, "mode": mode, "budget": budget or None, "tokens": tokens,
+                         "time_s": st.decode_s, "total_tokens_per_s": tokens / st.decode_s,
+                         "per_request_tokens_per_s": tokens / st.decode_s / n, "mean_accept": st.mean_accept,
+                         "lossless": outs == ar,
+                         "budget_mix": st.budget_mix() if mode == "auto" else None})
+    print0(table(["batch", "mode", "budget", "tokens", "time s", "tok/s total", "tok/s per request", "accept",
+                  "= AR", "steps per budget"],
+                 [[r["batch"], r["mode"], r["budget"] or "", r["tokens"], _f(r["time_s"], ".2f"),
+                   _f(r["total_tokens_per_s"]), _f(r["per_request_tokens_per_s"]), _f(r["mean_accept"], ".2f"),
+                   "yes" if r["lossless"] else "NO", r["budget_mix"] or ""] for r in rows]))
     print0("batched decoding runs the fixed-shape step (finished rows masked); time includes the first token of "
-           "each request after prefill")
-    return {"target": ckpt, "draft": draft_dir, "budget": budget, "rows": rows}
+           "each request after prefill; = AR: greedy outputs equal AR's at the same batch; steps per budget: "
+           "--budget auto's choices (0: one token)")
+    return {"target": ckpt, "draft": draft_dir, "budgets": a.budgets, "rows": rows}
 
 
 def print_e2e(runs: list[dict]) -> None:
@@ -2059,8 +2067,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"{flag} must be {want}, got {got}")
     if any(b != "auto" and b < 1 for b in a.budgets):
         p.error(f"--budgets must be >= 1 or auto, got {a.budgets}")
-    if "auto" in a.budgets and (a.mode != "e2e" or a.batch):
-        p.error("--budgets auto: e2e only (not --batch)")
+    if "auto" in a.budgets and a.mode != "e2e":
+        p.error("--budgets auto: e2e only")
     if not os.path.isfile(a.prompts):
         p.error(f"--prompts {a.prompts}: expected a prompt set file (JSON, or a .txt list of held-out files)")
     if not a.prompts.endswith(".txt"):

@@ -780,7 +780,7 @@ def _router_fits(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1) -
 
 @register("Gate.forward", fits=lambda self, x: _router_fits(x, self.weight, self.e_score_correction_bias, self.top_k,
                                                              self.norm, self.scale, self.n_group, self.topk_group))
-def router_topk(self, x):
+def router(self, x):
     return _route(x, self.weight, self.e_score_correction_bias, self.top_k, self.norm, self.scale)[:2]
 
 

@@ -240,10 +240,17 @@ def test_e2e_batch_and_static_steps(pair, capsys):
                       "--budgets", "4", "--n-prompts", "3", "--max-new-tokens", "8", "--batch", "1,4"])
     rows = res["e2e"]["rows"]
     assert [(r["batch"], r["mode"]) for r in rows] == [(1, "ar"), (1, "ddtree"), (4, "ar"), (4, "ddtree")]
+    assert all(r["lossless"] for r in rows)                          # greedy: every mode's outputs == AR's
     for r in rows:
         assert r["tokens"] == 8 * r["batch"]                     # no stop ids: every request runs to the limit
         assert close(r["total_tokens_per_s"], r["tokens"] / r["time_s"])
         assert close(r["per_request_tokens_per_s"], r["total_tokens_per_s"] / r["batch"])
+    res = bench.main(["e2e", "--device", "cpu", "--ckpt", str(pair / "target"), "--draft", str(pair / "draft"),
+                      "--budgets", "auto", "--n-prompts", "2", "--max-new-tokens", "8", "--batch", "3"])
+    ar, auto = res["e2e"]["rows"]
+    assert (ar["mode"], auto["mode"], auto["budget"]) == ("ar", "auto", "auto") and auto["lossless"]
+    assert auto["budget_mix"] and sum(int(m.split(":")[1][:-1]) for m in auto["budget_mix"].split()) in (99, 100, 101)
+    assert "steps per budget" in capsys.readouterr().out
     res = bench.main(["e2e", "--device", "cpu", "--ckpt", str(pair / "target"), "--draft", str(pair / "draft"),
                       "--budgets", "4", "--n-prompts", "2", "--max-new-tokens", "10", "--temperature", "0",
                       "--step-mode", "static", "--warmup", "0"])

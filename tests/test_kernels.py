@@ -705,7 +705,7 @@ def test_mla_attention_kernel(T_, H, prefixes, kind, tiles, dtype, monkeypatch):
 @pytest.mark.parametrize("N, E, D, k, dtype", [(1, 384, 448, 8, torch.float16), (9, 384, 448, 8, torch.float32),
                                               (17, 16, 200, 4, torch.float16), (70, 64, 96, 6, torch.float32),
                                               (3, 16, 64, 16, torch.float32)])
-def test_router_topk_kernel(N, E, D, k, dtype):
+def test_router_kernel(N, E, D, k, dtype):
     """Router matmul in D-slices + routing == F.linear in fp32 + the reference's routing: logits to fp32 rounding,
     the same experts in the same order, and (one launch) the pairs sorted by expert. D = 200: a masked tail slice;
     N = 70 > ROUTER_MAX_T: the F.linear branch; k = E: every expert."""
