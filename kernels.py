@@ -568,7 +568,7 @@ def _mla_attention_fits(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale
 def mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale):
     (B, T, H, R), P = q_lat.shape, q_pe.shape[-1]
     q_pe, prefix_len = q_pe.contiguous(), prefix_len.contiguous()
-    out = torch.empty(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)
+    out = _empty(q_lat.shape, q_lat.dtype, q_lat.device)
     wide = T * H >= ATTN_WIDE["min_rows"]
     cfg = {k: ATTN_WIDE[k] for k in ATTN_BLOCKS} if wide else ATTN_BLOCKS
     waves = ATTN_WIDE["waves"] if wide else ATTN_SPLITS["waves"]
@@ -1506,7 +1506,7 @@ DRAFT_ATTN = dict(BLOCK_Q=16, BLOCK_S=64, num_warps=4, min_split_len=512, max_sp
 def block_attention(q, k_cache, v_cache, prefix_len, softmax_scale):
     (B, T, H, hd), (S, KV) = q.shape, k_cache.shape[1:3]
     q, prefix_len = q.contiguous(), prefix_len.contiguous()
-    out = torch.empty_like(q)
+    out = _empty(q.shape, q.dtype, q.device)
     cfg, G = DRAFT_ATTN, H // KV
     n_qblocks = triton.cdiv(T * G, cfg["BLOCK_Q"])
     MIN_SPLIT, BLOCK_S = cfg["min_split_len"], cfg["BLOCK_S"]
