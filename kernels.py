@@ -136,7 +136,8 @@ def _gdc(PDL: tl.constexpr):
 
 # ----------------------------------------------------------------------------------------------------------
 # 0. Host paths: on the CPU, outside torch.compile, a host read is free, so the attention references get only the
-# slots that can be visible (the committed prefix, the new tree or block), not the whole fixed-size cache.
+# slots that can be visible (the committed prefix, the new tree or block), not the whole fixed-size cache; and a small
+# model's step is bound by its op count, so the routed experts run together, not one at a time.
 
 def _host(t: torch.Tensor) -> bool:
     return t.is_cpu and not torch.compiler.is_compiling()
@@ -153,6 +154,28 @@ def _mla_attention_visible(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_sc
 def _block_attention_visible(q, k_cache, v_cache, prefix_len, softmax_scale):
     S = int(prefix_len.max()) + q.shape[1]                                      # past the last row's block
     return _REFS["block_attention"](q, k_cache[:, :S], v_cache[:, :S], prefix_len, softmax_scale)
+
+
+HOST_EXPERTS_BYTES = 64 * 2**20   # fp32 weights the used experts may take, dequantized together
+
+
+def _host_experts_fit(self, x, weights, ids) -> bool:
+    if not (_host(x) and self.quant is not None):
+        return False
+    per_expert = 3 * self.inter * x.shape[-1] * 4                               # w13 and w2, fp32
+    return min(ids.numel(), len(self.w13_packed)) * per_expert <= HOST_EXPERTS_BYTES
+
+
+# model.Experts.forward with the used experts dequantized in one go (expert() takes a tensor of ids), then every row
+# through each of them, weighted 0 where it did not choose it: a dozen ops per layer instead of a dozen per expert.
+@register("Experts.forward", host=True, fits=_host_experts_fit)
+def _experts_together(self, x, weights, ids):
+    used = ids.unique()                                                          # [g]
+    w13, w2 = self.expert(used)                                                  # [g, 2I, D], [g, D, I] fp32
+    gate, up = torch.matmul(x.to(w13.dtype), w13.transpose(1, 2)).chunk(2, dim=-1)   # [g, N, I] each
+    o = torch.matmul(F.silu(gate) * up, w2.transpose(1, 2)).float()                  # [g, N, D]
+    w = (weights[:, :, None] * (ids[:, :, None] == used)).sum(1)                     # [N, g]
+    return torch.einsum("ng,gnd->nd", w, o)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -538,8 +538,9 @@ class Experts(nn.Module):
             y.index_add_(0, n, F.linear(F.silu(gate) * up, w2).float() * weights[n, k, None])
         return y
 
-    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's w13 [2I/ws, D] and w2 [D, I/ws]: INT4 dequantized in fp32, or as stored."""
+    def expert(self, e) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's w13 [2I/ws, D] and w2 [D, I/ws] (e a tensor of ids: stacked): INT4 dequantized in
+        fp32, or as stored."""
         if self.quant is None:
             return self.w13[e], self.w2[e]
         gs = self.quant.group_size

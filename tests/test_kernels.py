@@ -132,6 +132,19 @@ def test_host_paths_read_only_the_visible_slots():
     assert_close(got, want, 1e-5, "block_attention, visible slots")
 
 
+def test_host_experts_run_together(monkeypatch):
+    """On the CPU the INT4 routed experts run together (the used ones dequantized in one go, every row through each):
+    the reference's output; past HOST_EXPERTS_BYTES, or for float experts, the reference runs as written."""
+    x, ids, w, *weights = make_moe(T=6, E=8, K=3, D=64, I=32, dtype=torch.float32)
+    experts = C.int4_experts(*weights)
+    fits = kernels._HOST["Experts.forward"][0]
+    with torch.no_grad():
+        assert fits(experts, x, w, ids) and not fits(types.SimpleNamespace(quant=None), x, w, ids)
+        assert_close(experts(x, w, ids), M.Experts.forward.ref(experts, x, w, ids), 1e-6, "experts together")
+        monkeypatch.setattr(kernels, "HOST_EXPERTS_BYTES", 3 * 32 * 64 * 4 * 8 - 1)    # one expert's bytes short
+        assert not fits(experts, x, w, ids)
+
+
 def test_switch_off_runs_the_reference(monkeypatch):
     """With ENABLED (the default) a fitting kernel takes the call; with ENABLED False (--no-triton), or when its fits()
     says no, the reference does."""
