@@ -674,7 +674,8 @@ class Transformer(nn.Module):
     def blocks(self, h, cos, sin, caches, start_pos, tree_mask, absorb, slots, hidden_layers,
                debug) -> tuple[torch.Tensor, list]:
         """h [B, T, D] through every Block -> (the last one's output, [hidden_layers' outputs]).
-        caches: the layers' cache rows [L, B, S, R+P] (or Nones); the rest as in MLA.forward."""
+        caches: the layers' cache rows [L, B, S, R+P] (or Nones); the rest as in MLA.forward. The
+        fast path (kernels.py) adds each block's residual in the next block's norm: one launch."""
         taps = []
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h = layer(h, cos, sin, cache, start_pos, tree_mask, absorb, slots)
