@@ -107,8 +107,11 @@ def test_chain_mode_and_stops(target):
 
 @pytest.mark.quick
 def test_cache_limit_never_overflows(target):
+    """Trees while they fit, then one token a step, then "cache full": no write past max_seq_len (the cache is made
+    exactly that long here, so a slot past it raises) and the output of AR."""
     prompt = list(range(10))
     stats = G.Stats()
+    target.kv_cache = None                    # fit_caches makes it max_seq_len slots, not a longer earlier one
     out = G.generate(target, prompt, 500, drafter=StubDrafter("random", 96), budget=8, max_seq_len=40, stats=stats)
     assert len(prompt) + len(out) <= 40 + 1 and "cache full" in stats.stopped
     ar = G.generate(target, prompt, 500, max_seq_len=40)
