@@ -500,7 +500,7 @@ def bench_batch(a, device, dtype) -> dict:
     max_seq_len = a.max_seq_len or max(map(len, prompt_ids)) + a.max_new_tokens + widest + 16
     rows = []
     for n in a.batch:
-        batch = [prompt_ids[i % len(prompt_ids)] for i in range(n)]
+        batch, ar = [prompt_ids[i % len(prompt_ids)] for i in range(n)], None
         for mode, budget in modes:
             kw = dict(drafter=drafter if budget else None, budget=budget, max_seq_len=max_seq_len,
                       mode=a.step_mode if a.step_mode != "eager" else "static")
@@ -840,16 +840,17 @@ def sum_output(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 
 def routed_ids(block: M.Block, step) -> torch.Tensor | None:
-    """The expert ids the step's tokens route to ([T, k]), caught with a hook on the router."""
+    """The expert ids the step's tokens route to ([T, k]): the router on the MoE's input, caught with a hook (the
+    MoE part's launcher routes without calling the Gate module)."""
     if not isinstance(block.mlp, M.MoE):
         return None
     box = []
-    hook = block.mlp.gate.register_forward_hook(lambda mod, inp, out: box.append(out[1]))
+    hook = block.mlp.register_forward_pre_hook(lambda mod, inp: box.append(inp[0]))
     try:
         step()
     finally:
         hook.remove()
-    return box[0]
+    return block.mlp.gate(box[0].flatten(0, -2))[1]
 
 
 def param_bytes(module: torch.nn.Module) -> int:
@@ -933,7 +934,6 @@ def kernel_times(step, device, reps: int = 3, top: int = 12) -> dict:
 def time_block(block: M.Block, args: M.ModelArgs, kind: str, a, device, dtype, bw: float) -> list[dict]:
     rows = []
     C = args.kv_lora_rank + args.qk_rope_head_dim
-    cblock = torch.compile(block, dynamic=False) if a.compile else None   # recompiles per (ctx, T): one shape each
     for ctx in a.ctx:
         cache = randn((1, ctx + max(a.T), C), device, dtype, seed=ctx)                   # [1, S, R+P]
         for T in a.T:
@@ -944,7 +944,8 @@ def time_block(block: M.Block, args: M.ModelArgs, kind: str, a, device, dtype, b
             cold = _cold_us(step, device) if graph is not None else None     # weights from HBM, as in a step
             compiled, why_c = (None, None)
             if a.compile:
-                compiled, why_c = time_compiled(layer_step(cblock, s, cache), device)
+                # the step compiled whole (one shape per (ctx, T)): inductor fuses the plain ops itself
+                compiled, why_c = time_compiled(torch.compile(layer_step(block, s, cache), dynamic=False), device)
             kern = kernel_times(step, device)
             nbytes = step_bytes(block, ids, ctx, T, C * cache.element_size())
             best = min(t for t in (eager, graph, compiled) if t is not None)

@@ -31,7 +31,8 @@ all-reduces per layer + 1 (DFlashDrafter.cached_forward).
 
 Reading order: DraftArgs; Attention, Layer (plain or cached); DFlashDrafter (plain_forward,
 cached_forward, draft_logits); the cached forward's two ops with a fast path (qkv_norm_rope,
-block_attention: plain PyTorch here, one Triton launch each on a GPU, kernels.py); DFlash's
+block_attention: plain PyTorch here, one Triton launch each on a GPU, kernels.py; Layer.forward is
+a part with a launcher too: its middle add and norm in one launch); DFlash's
 default taps. The rotary embedding is model.py's. The drafter's files (its config.json, the
 loader, the writer) are checkpoint.py's: checkpoint.draft_args, load_drafter, write_drafter.
 """

@@ -227,7 +227,7 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
     length, cache end). drafter=None or budget=0: autoregressive; chain=True: the DFlash chain;
     budget="auto": autobudget.py picks a tree or one token before each step. on_tokens(b, tokens):
     row b's new tokens, each step; on_step(b, view, tokens): the same after a tree step, with its
-    View. mode: runner.MODES ("eager" times each stage). debug: NaN/inf checks, TP ranks agree."""
+    View. mode: runner.MODES (eager: stage times). debug: NaN/inf, TP checks. steps: get_step's."""
     stats = stats if stats is not None else Stats()
     max_seq_len = max_seq_len or model.max_seq_len or max(map(len, prompts)) + max_new_tokens + 80
     check_options(model, prompts, max_seq_len, budget, chain, temperature, mode)
@@ -255,7 +255,7 @@ def generate_batch(model: M.Transformer, prompts: list[list[int]], max_new_token
                else auto.next_step(fits, prompts, rows.outs, hook))   # auto: a tree or one token
         if hook is None:
             clock.lap("verify")          # compiled, captured or static: the whole step's time
-        stats.budgets[0 if step.view is None else step.width - 1] += 1   # chain: drafted tokens
+        stats.budgets[0 if step.view is None else step.width - 1] += 1   # a tree step left a View
         if debug:
             check_ranks_agree(new)
         rows.take(new, step.view)        # 6. stream them; a row stops on a stop token or length

@@ -14,7 +14,8 @@ launcher runs the part's kernels in its own order, fused across the reference's 
 part's launcher calls the ops it keeps through _OPS, the same switch). This file registers a launcher under the name
 with `@register(name, fits=...)`, and a call goes to the launcher when ENABLED (--no-triton clears it) and fits(...)
 accepts the arguments (a CUDA tensor, shapes and dtypes the kernel handles, ...), else to its host path if it has
-one (section 0: the reference on fewer cache slots, on the CPU), else to the reference. Launcher, fits and reference
+one (section 0, on the CPU: the attention references on fewer cache slots, the routed experts together), else to
+the reference. Launcher, fits and reference
 take the same arguments. Invariant: every kernel == its reference, to rounding (bit for bit for ranking, tree search,
 accept and commit).
 
@@ -156,13 +157,14 @@ def _block_attention_visible(q, k_cache, v_cache, prefix_len, softmax_scale):
     return _REFS["block_attention"](q, k_cache[:, :S], v_cache[:, :S], prefix_len, softmax_scale)
 
 
-HOST_EXPERTS_BYTES = 64 * 2**20   # fp32 weights the used experts may take, dequantized together
+HOST_EXPERTS_BYTES = 64 * 2**20   # fp32 bytes the used experts may take together: weights and every row's outputs
 
 
 def _host_experts_fit(self, x, weights, ids) -> bool:
     if not (_host(x) and self.quant is not None):
         return False
-    per_expert = 3 * self.inter * x.shape[-1] * 4                               # w13 and w2, fp32
+    (N, D), I = x.shape, self.inter
+    per_expert = (3 * I * D + N * (3 * I + D)) * 4               # fp32: w13 and w2, every row's gate, up, out
     return min(ids.numel(), len(self.w13_packed)) * per_expert <= HOST_EXPERTS_BYTES
 
 

@@ -14,8 +14,8 @@ Invariants this file keeps:
     committing the accepted path (verify.py) is one gather / scatter over all layers;
   * each op or part (Transformer.blocks, MLA._absorbed, MLP.forward, Gate.forward, Experts.forward,
     MoE.local) marked `@kernels.fast` is written here in plain PyTorch and is the reference: on a
-    GPU the switch in kernels.py may run Triton kernels instead, fused across the ops of a part,
-    which tests/test_kernels.py holds equal to it;
+    GPU the switch in kernels.py may run Triton kernels instead, fused across the ops of a part (on
+    the CPU a few run in fewer ops), which tests/test_kernels.py holds equal to it;
   * under tensor parallelism every collective is visible at its call site (all_reduce / all_gather
     below).
 
@@ -487,7 +487,7 @@ class Gate(nn.Module):
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """[..., I/8] int32 words -> [..., I] int8 values q in [-8, 7]: nibble i of word k is column
     8k + i (shifts, so the host's byte order does not matter)."""
-    nibbles = packed[..., None] >> torch.arange(0, 32, 4, device=packed.device)     # [..., I/8, 8]
+    nibbles = packed[..., None] >> packed.new_tensor(range(0, 32, 4))               # [..., I/8, 8]
     return (nibbles & 0xF).to(torch.int8).flatten(-2) - 8                           # q = u - 8
 
 
@@ -532,15 +532,15 @@ class Experts(nn.Module):
         [N, D] fp32: each used expert on its own rows, one at a time (INT4: bounded memory)."""
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)                    # [N, D]
         for e in ids.unique().tolist():
-            n, k = (ids == e).nonzero(as_tuple=True)     # the rows routed to e, and at which choice
+            rows, k = (ids == e).nonzero(as_tuple=True)      # the rows routed to e, at which choice
             w13, w2 = self.expert(e)                                         # [2I/ws, D], [D, I/ws]
-            gate, up = F.linear(x[n].to(w13.dtype), w13).chunk(2, dim=-1)              # [n, I] each
-            y.index_add_(0, n, F.linear(F.silu(gate) * up, w2).float() * weights[n, k, None])
+            gate, up = F.linear(x[rows].to(w13.dtype), w13).chunk(2, dim=-1)   # [len(rows), I] each
+            y.index_add_(0, rows, F.linear(F.silu(gate) * up, w2) * weights[rows, k, None])
         return y
 
     def expert(self, e) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's w13 [2I/ws, D] and w2 [D, I/ws] (e a tensor of ids: stacked): INT4 dequantized in
-        fp32, or as stored."""
+        """Expert e's w13 [2I/ws, D], w2 [D, I/ws] (e a tensor: stacked): INT4 dequantized, fp32; or
+        as stored."""
         if self.quant is None:
             return self.w13[e], self.w2[e]
         gs = self.quant.group_size
@@ -643,8 +643,8 @@ class Transformer(nn.Module):
                 absorb=None, last_only=False, debug=False, cache_row=0) -> Output:
         """tokens [B, T] -> Output (logits; taps: hidden_layers' outputs). start_pos None: no cache;
         int or LongTensor [B]: the tokens go to cache rows cache_row.. at slots start_pos + [0, T)
-        and see every slot before; among themselves, tree_mask [B, T, T] (default causal).
-        positions [B, T]: rope positions (default the slots; verify: start + depth)."""
+        and see every slot before; among themselves, tree_mask [B, T, T] (default causal). positions
+        [B, T]: rope positions < max_seq_len (default: the slots; verify: start + depth)."""
         B, T = tokens.shape
         slots = _slots(0 if start_pos is None else start_pos, B, T, tokens.device)     # [B, T]
         positions = slots if positions is None else positions
@@ -673,9 +673,9 @@ class Transformer(nn.Module):
     @kernels.fast
     def blocks(self, h, cos, sin, caches, start_pos, tree_mask, absorb, slots, hidden_layers,
                debug) -> tuple[torch.Tensor, list]:
-        """h [B, T, D] through every Block -> (the last one's output, [hidden_layers' outputs]).
-        caches: the layers' cache rows [L, B, S, R+P] (or Nones); the rest as in MLA.forward. The
-        fast path (kernels.py) adds each block's residual in the next block's norm: one launch."""
+        """h [B, T, D] through every Block -> (its output, [hidden_layers' outputs]); caches: the
+        layers' cache rows [L, B, S, R+P] or Nones. The fast path (kernels.py) adds each residual in
+        the next norm."""
         taps = []
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h = layer(h, cos, sin, cache, start_pos, tree_mask, absorb, slots)
