@@ -1385,8 +1385,9 @@ def _add_norm(x, r, norm):
     return s, norm(s)
 
 
-# The layer stack (model.Transformer.blocks): each block's last residual add waits for the next block's input norm,
-# so every add meets a norm in one add_rms_norm launch (2 a layer, not 2 adds and 2 norms). --debug (a check after
+# The layer stack (model.Transformer.blocks): each block's last residual add waits for the next block's input norm
+# (the last block's, for the final norm), so every add meets a norm in one add_rms_norm launch (2 a layer, not 2 adds
+# and 2 norms). --debug (a check after
 # each layer) and torch.compile (inductor fuses add and norm itself) run the plain stack.
 def deferred_block(layer, h, r, cos, sin, cache, start_pos, tree_mask, absorb, slots):
     """model.Block.forward on h + r (r: the previous block's MLP output, not yet added; None in layer 0) -> (h', r'),
@@ -1405,7 +1406,7 @@ def blocks(self, h, cos, sin, caches, start_pos, tree_mask, absorb, slots, hidde
         h, r = deferred_block(layer, h, r, cos, sin, cache, start_pos, tree_mask, absorb, slots)
         if i in hidden_layers:
             taps.append(h + r.to(h.dtype))
-    return h + r.to(h.dtype), taps
+    return _add_norm(h, r, self.norm)[1], taps
 
 
 # ----------------------------------------------------------------------------------------------------------

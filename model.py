@@ -665,7 +665,7 @@ class Transformer(nn.Module):
         caches = [None] * len(self.layers) if start_pos is None else self.kv_cache[:, cache_row:]
         h, taps = self.blocks(h, cos, sin, caches, start_pos, tree_mask, absorb, slots,
                               hidden_layers, debug)
-        logits = self.head(self.norm(h[:, -1:] if last_only else h))
+        logits = self.head(h[:, -1:] if last_only else h)
         if debug:
             check_finite(logits, "logits")
         return Output(logits, torch.cat(taps, dim=-1) if taps else None)
@@ -673,9 +673,9 @@ class Transformer(nn.Module):
     @kernels.fast
     def blocks(self, h, cos, sin, caches, start_pos, tree_mask, absorb, slots, hidden_layers,
                debug) -> tuple[torch.Tensor, list]:
-        """h [B, T, D] through every Block -> (its output, [hidden_layers' outputs]); caches: the
-        layers' cache rows [L, B, S, R+P] or Nones. The fast path (kernels.py) adds each residual in
-        the next norm."""
+        """h [B, T, D] through every Block and the final norm -> (normed h, [hidden_layers' outputs]);
+        caches: the layers' cache rows [L, B, S, R+P] or Nones. The fast path (kernels.py) adds each
+        residual in the next norm."""
         taps = []
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h = layer(h, cos, sin, cache, start_pos, tree_mask, absorb, slots)
@@ -683,7 +683,7 @@ class Transformer(nn.Module):
                 check_finite(h, f"layer {i} output")
             if i in hidden_layers:
                 taps.append(h)
-        return h, taps
+        return self.norm(h), taps
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Normed hidden states [..., D] -> fp32 logits [..., vocab] (the drafter's too)."""
