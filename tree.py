@@ -199,8 +199,7 @@ def _expand(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budget: in
     return [torch.cat(t, 1) for t in (score, parent, token, depth)]
 
 
-def _tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
-          budget: int, max_depth: int) -> tuple:
+def _tree(tokens, parents, depths, scores, budget: int, max_depth: int) -> tuple:
     """Node fields [b, n], root first, n <= N = budget + 1 -> the Tree's fields: padding appended
     (only when V is tiny: module doc) and the ancestor mask of a tree max_depth deep."""
     (b, n), N = tokens.shape, budget + 1
