@@ -238,7 +238,8 @@ def rms_norm(x, weight, eps):
 
 
 # add_rms_norm: (s, y) = (x + r, rms_norm(x + r)), the residual add and the next norm (r: an MLP's output, an MoE's
-# in fp32, rounded to x's dtype first). Grid: one program per row. One read of x and r. Reference: x + r, then model.rms_norm.
+# in fp32, rounded to x's dtype first). Grid: one program per row. One read of x and r. Reference: x + r, then
+# model.rms_norm.
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, N, EPS: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):

@@ -673,7 +673,7 @@ class Transformer(nn.Module):
     @kernels.fast
     def blocks(self, h, cos, sin, caches, start_pos, tree_mask, absorb, slots, hidden_layers,
                debug) -> tuple[torch.Tensor, list]:
-        """h [B, T, D] through every Block and the final norm -> (normed h, [hidden_layers' outputs]);
+        """h [B, T, D] through every Block and the final norm -> (normed h, hidden_layers' outputs);
         caches: the layers' cache rows [L, B, S, R+P] or Nones. The fast path (kernels.py) adds each
         residual in the next norm."""
         taps = []

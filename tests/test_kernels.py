@@ -691,8 +691,9 @@ ATTN_CASES = [  # T, H, prefixes (B = len), mask kind, tiles: "default" or "smal
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("T_, H, prefixes, kind, tiles", ATTN_CASES)
 def test_mla_attention_kernel(T_, H, prefixes, kind, tiles, dtype, monkeypatch):
-    """Split + merge attention == the reference, every element of its poisoned output written; the same bits from the mask packed once per
-    forward (what model.py passes) and from q_lat as the absorbed-query einsum leaves it (strided, read in place)."""
+    """Split + merge attention == the reference, every element of its poisoned output written; the same bits from
+    the mask packed once per forward (what model.py passes) and from q_lat as the absorbed-query einsum leaves it
+    (strided, read in place)."""
     monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
     if tiles == "small":
         monkeypatch.setattr(kernels, "ATTN_BLOCKS", dict(BLOCK_Q=16, BLOCK_S=16, num_warps=4, num_stages=2))
