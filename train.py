@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import math
 import os
@@ -362,18 +361,16 @@ def expert_forward(model: M.Transformer, dense: bool = False, int4: tuple | None
     straight-through gradients to w (quantization-aware training)."""
     wt = (lambda w: w + (int4_roundtrip(w, *int4).to(w.dtype) - w).detach()) if int4 else (lambda w: w)
     experts = [layer.mlp.experts for layer in model.layers if isinstance(layer.mlp, M.MoE)]
-    for ex in experts:
+    for ex in experts:     # float experts: no fast path takes them, so forward is the loop as written
         if dense:
             ex.forward = lambda x, w, ids, ex=ex: experts_dense(x, ids, w, wt(ex.w13), wt(ex.w2))
-        else:      # the reference's loop, on the weights each expert will serve
-            ex.forward = functools.partial(M.Experts.forward.ref, ex)
+        else:              # the loop, on the weights each expert will serve
             ex.expert = lambda e, ex=ex: (wt(ex.w13[e]), wt(ex.w2[e]))
     try:
         yield
     finally:
         for ex in experts:
-            del ex.forward
-            ex.__dict__.pop("expert", None)
+            ex.__dict__.pop("forward" if dense else "expert")
 
 
 def export_target(model: M.Transformer, text_cfg: dict, out_dir: str, dtype=torch.bfloat16, n_shards: int = 3) -> None:
