@@ -26,7 +26,8 @@ Modes:
           real dimensions (INT4 experts as random packed words), a KV cache of several lengths, and the step
           latency for T = 1, 9, 17, 33 new tokens (tree-masked verify for T > 1: eager, CUDA graph back to back,
           and the graph with a cold L2 as in a step) against its byte floor; then a
-          projection to the whole 61-layer model at TP8, with every assumption printed.
+          projection to the whole 61-layer model at TP8, with every assumption printed. --fusions: the MoE block
+          again with each fusion of kernels.FUSE off, one at a time: what each saves (time, kernels).
   peer    the same layer through transformers' DeepseekV3DecoderLayer (experts dequantized to bf16) at the
           same T and context, and the AR decode of the e2e model through DeepseekV3ForCausalLM: their time /
           ours.
@@ -47,6 +48,7 @@ Modes:
     python bench.py step                                  # the bundled pair's step: eager vs graph vs compile
     python bench.py layers --scale tiny                   # CPU: every dimension shrunk (a smoke test)
     python bench.py layers --tp 8 --out runs/layers.json  # one H200, per-rank TP8 shapes, real dimensions
+    python bench.py layers --tp 8 --ctx 4096 --T 1,9 --fusions   # and each fusion of kernels.FUSE off in turn
     python bench.py peer --tp 1 --ctx 4096                # one H200 (the peer's bf16 experts: 34 GB)
     python bench.py tree --budgets 8,16,64                # V = 163840, L = 7 by default (CPU ok)
     python bench.py kernels [--sweep]                     # one GPU: kernels vs references, timings
@@ -1073,20 +1075,53 @@ def bench_layers(a, device, dtype) -> dict:
            f"kv_lora {cfg['kv_lora_rank']}, rope {cfg['qk_rope_head_dim']}, {cfg['n_routed_experts']} experts top-"
            f"{cfg['num_experts_per_tok']} INT4 g32, expert inter {cfg['moe_intermediate_size'] // a.tp}/rank; "
            f"T > 1 verifies a {a.tree} tree (positions ctx + depth, ancestor mask)")
-    rows = []
+    rows, fusions = [], []
     for kind, layer_id in [("moe", 1)] + ([("dense", 0)] if a.dense else []):
         args, block = build_block(cfg, layer_id, a.tp, device, dtype, a.seed)
         rows += time_block(block, args, kind, a, device, dtype, bw)
+        if a.fusions and kind == "moe":
+            fusions = time_fusions(block, args, rows, a, device, dtype, bw)
         del block
         _free(device)
     head = time_head(cfg, a, device, dtype, bw)
     proj, assumptions = project(rows, head, cfg, a)
     print_layers(rows, head, proj, assumptions, bw)
+    if fusions:
+        print_fusions(fusions)
     if scale == "tiny":
         print0("(scale tiny: the projection only exercises the arithmetic; run --scale real on a GPU for numbers)")
     return {"scale": scale, "tp": a.tp, "dtype": str(dtype).replace("torch.", ""), "tree": a.tree,
             "copy_bandwidth_Bps": bw, "copy_bytes": nbytes, "allreduce_us": a.allreduce_us[0], "rows": rows,
-            "lm_head": head, "projection": proj, "assumptions": assumptions}
+            "lm_head": head, "projection": proj, "assumptions": assumptions, "fusions": fusions}
+
+
+def time_fusions(block: M.Block, args: M.ModelArgs, rows: list[dict], a, device, dtype, bw: float) -> list[dict]:
+    """--fusions: the MoE block with each of kernels.FUSE switched off in turn, against `rows` (all on): what each
+    fusion saves in graph and cold-L2 time and in kernels per step."""
+    out = []
+    for name in kernels.FUSE:
+        saved = dict(kernels.FUSE)
+        kernels.FUSE[name] = False
+        try:
+            off = time_block(block, args, "moe", a, device, dtype, bw)
+        finally:
+            kernels.FUSE.update(saved)
+        for on, o in zip([r for r in rows if r["layer"] == "moe"], off):
+            out.append({"fusion": name, "ctx": on["ctx"], "T": on["T"],
+                        **{f"{k}_{w}": r[k] for k in ("graph_us", "cold_us", "n_kernels") for w, r in
+                           (("on", on), ("off", o))}})
+    return out
+
+
+def print_fusions(rows: list[dict]) -> None:
+    def gain(r, k):
+        return None if r[f"{k}_on"] is None or r[f"{k}_off"] is None else r[f"{k}_off"] - r[f"{k}_on"]
+    print0("\nfusions (kernels.FUSE): the MoE block with each one off, against all on")
+    print0(table(["fusion", "ctx", "T", "graph us on", "off", "saves", "cold us on", "off", "saves", "kernels on",
+                  "off"],
+                 [[r["fusion"], r["ctx"], r["T"], _f(r["graph_us_on"]), _f(r["graph_us_off"]),
+                   _f(gain(r, "graph_us")), _f(r["cold_us_on"]), _f(r["cold_us_off"]), _f(gain(r, "cold_us")),
+                   _f(r["n_kernels_on"], ".0f"), _f(r["n_kernels_off"], ".0f")] for r in rows]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1109,7 +1144,7 @@ def _moe_call(x, ids, w, experts: tuple):
     return lambda: module(x, w, ids)
 
 
-def _int4_ref(x, topk_ids, topk_weights, *weights):
+def int4_ref(x, topk_ids, topk_weights, *weights):
     """model.Experts.forward as written, on fused_moe_w4a16's arguments."""
     return M.Experts.forward.ref(C.int4_experts(*weights), x, topk_weights, topk_ids)
 
@@ -1658,7 +1693,7 @@ def bench_kernels(a, device, dtype) -> dict:
             min_pairs, kernels.MOE_MMA_MIN_PAIRS = kernels.MOE_MMA_MIN_PAIRS, 10**9 if path == "gemv" else 0
             try:
                 rows.append(_kernel_row(f"{I:>5} {T:>3} {path:>4}", case, kernels.fused_moe_w4a16,
-                                        _int4_ref, tol, bw, device))
+                                        int4_ref, tol, bw, device))
             finally:
                 kernels.MOE_MMA_MIN_PAIRS = min_pairs
         weights = None
@@ -2012,6 +2047,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     l.add_argument("--no-dense", dest="dense", action="store_false", help="skip the dense layer-0 block")
     l.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph timings")
     l.add_argument("--compile", action="store_true", help="layers: also time torch.compile of each block")
+    l.add_argument("--fusions", action="store_true",
+                   help="layers: also time the MoE block with each fusion of kernels.FUSE off, one at a time")
     l.add_argument("--allreduce-us", type=_floats, default=[25.0],
                    help="cost of one collective in the projection, us (a stated figure, not a measurement: "
                    "torchrun ... bench.py allreduce measures it); e2e --one-rank-of takes several, e.g. 20,10")

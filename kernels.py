@@ -3,9 +3,10 @@ Triton fast paths of nano-ddtree: each kernel computes what a plain PyTorch func
 reference), in fewer launches or fewer bytes.
 
     model.py   ops: linear, rms_norm, rope, mla_latent_to_cache, mla_attention
-               parts: Transformer.blocks (each residual add fused into the next norm), MLA._absorbed, MLP.forward,
-               Gate.forward (the router), Experts.forward (fused_moe_w4a16), MoE.local (router, routed and shared
-               experts as one launcher)
+               parts: Transformer.blocks (each residual add fused into the next norm), MLA.attend (the q_a norm in
+               the q_b GEMM, q_pe's rope in attention), MLP.forward (SwiGLU in the down GEMM), Gate.forward (the
+               router), Experts.forward (fused_moe_w4a16), MoE.local (router, routed and shared experts as one
+               launcher); the fusions across op boundaries are switches in FUSE
     draft.py   ops: qkv_norm_rope, block_attention; part: Layer.forward
     tree.py    rank_topk, ddtree_search;   verify.py  accept, commit_kv
 
@@ -107,6 +108,12 @@ def _row_warps(block: int) -> int:
 
 
 MASK_WORD_BITS = 64     # tree slots one int64 word of a tree-mask row holds (the attention and search kernels)
+# Fusions across a part's op boundaries, each one launch fewer a layer; a switch each, so that bench.py layers
+# --fusions can time the part without it
+FUSE = dict(q_norm=True,        # MLA: q_a_layernorm inside the q_b_proj GEMM, as it loads q_a
+            q_rope=True,        # MLA: q_pe's rope inside the attention kernel, as it loads q_pe
+            down_swiglu=True,   # SwiGLU MLPs: silu(gate) * up inside the down_proj GEMM, as it loads gate | up
+            route_prep=True)    # MoE: the route launch also packs x for the MoE GEMV
 
 
 # Programmatic dependent launch (PDL, Hopper and later): a kernel launched with launch_pdl may start while the kernel
@@ -314,16 +321,22 @@ def rope(x, cos, sin, interleaved=True):
 # silu_mul: SwiGLU's silu(g) * u, each op's rounding kept. Grid: (row, block of columns). Reads g and u in place
 # (the two halves of one gate|up GEMM output). Reference: F.silu(g) * u.
 @triton.jit
+def _silu_times(g, u):
+    # F.silu(g) * u, each of the two ops rounded to g's dtype as PyTorch rounds it
+    gf = g.to(tl.float32)
+    a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    return (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
     _gdc(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0)
-    gf = g.to(tl.float32)
-    a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)                                       # F.silu, rounded
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0)
-    tl.store(y_ptr + row * N + cols, (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+    tl.store(y_ptr + row * N + cols, _silu_times(g, u), mask=mask)
 
 
 def _silu_mul_fits(g, u) -> bool:
@@ -342,10 +355,13 @@ def silu_mul(g, u):
 
 
 # A SwiGLU MLP's local part (model.MLP.forward: the dense MLP, the shared experts, the drafter's MLP): silu(gate) * up
-# is one launch between the two GEMMs, not two.
+# inside the down GEMM, as it loads gate | up (FUSE["down_swiglu"]); else one launch between the GEMMs, not two.
 @register("MLP.forward", fits=lambda self, x: _glue(x))
 def mlp(self, x):
-    gate, up = _OPS["linear"](x, self.gate_up_proj.weight).chunk(2, dim=-1)
+    gate_up = _OPS["linear"](x, self.gate_up_proj.weight)                    # [..., 2I] gate | up
+    if FUSE["down_swiglu"] and _skinny_fits(gate_up, self.down_proj.weight):
+        return _skinny(gate_up, self.down_proj.weight, swiglu=True)
+    gate, up = gate_up.chunk(2, dim=-1)
     h = silu_mul(gate, up) if _silu_mul_fits(gate, up) else F.silu(gate) * up
     return _OPS["linear"](h, self.down_proj.weight)
 
@@ -393,19 +409,32 @@ SKINNY_MAX_BLOCKS = 4096      # n blocks with a counter each
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, part_ptr, y_ptr, count_ptr, M, N, K, K_SPLIT, stride_x, SPLIT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+def _skinny_kernel(x_ptr, w_ptr, norm_ptr, part_ptr, y_ptr, count_ptr, M, N, K, K_SPLIT, stride_x,
+                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   IEEE: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, SWIGLU: tl.constexpr,
                    PDL: tl.constexpr):
     _gdc(PDL)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
+    x_rows = x_ptr + offs_m[:, None] * stride_x
+    if NORM:                    # x is an RMSNorm's input: first the statistics of its rows over all of K
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xf = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(xf * xf, 1)
+        rstd = tl.rsqrt(ss / K + EPS)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_x + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
-                    other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+        if SWIGLU:              # x holds gate | up [M, 2K]: the GEMM's input is silu(gate) * up
+            x = _silu_times(x, tl.load(x_rows + K + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0))
+        if NORM:                # rms_norm(x) * weight, rounded as model.rms_norm rounds it
+            x = _scale(tl.load(norm_ptr + k, mask=k < K, other=0.0)[None, :],
+                       (x.to(tl.float32) * rstd[:, None]).to(x.dtype), x.dtype)
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :], mask=n_mask[:, None] & (k < K)[None, :],
                     other=0.0)
         if IEEE:      # fp32 (the interpreter's tests): not tf32
@@ -432,14 +461,23 @@ def _skinny_split(N: int, K: int, device) -> int:
     return max(1, min(SKINNY["max_split"], tiles, int(SKINNY["waves"] * _sm_count(device) / n_blocks + 0.5)))
 
 
-# 16-bit only: in fp32 (the exactness tests' dtype) cuBLAS's F.linear in every loop, eager or compiled
-@register("linear", fits=lambda x, weight: (
-    _glue(x) and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
-    and x.stride(-1) == 1 and weight.is_contiguous() and 0 < x.numel() // max(x.shape[-1], 1) <= SKINNY_MAX_M
-    and triton.cdiv(weight.shape[0], SKINNY["BLOCK_N"]) <= SKINNY_MAX_BLOCKS))
+def _skinny_fits(x, weight) -> bool:
+    # 16-bit only: in fp32 (the exactness tests' dtype) cuBLAS's F.linear in every loop, eager or compiled
+    return (_glue(x) and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(-1) == 1 and weight.is_contiguous() and 0 < x.numel() // max(x.shape[-1], 1) <= SKINNY_MAX_M
+            and triton.cdiv(weight.shape[0], SKINNY["BLOCK_N"]) <= SKINNY_MAX_BLOCKS)
+
+
+@register("linear", fits=_skinny_fits)
 def linear(x, weight):
+    return _skinny(x, weight)
+
+
+def _skinny(x, weight, norm=None, swiglu: bool = False):
+    """x [..., K] @ weight [N, K]^T -> [..., N]; norm: a model.RMSNorm applied to x as the GEMM loads it; swiglu: x is
+    gate | up [..., 2K] and the GEMM's input silu(gate) * up."""
     (N, K), M = weight.shape, x.numel() // x.shape[-1]
-    x2 = x.reshape(M, K)                        # a view for contiguous x and row-strided x
+    x2 = x.reshape(M, x.shape[-1])              # a view for contiguous x and row-strided x
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     split = _skinny_split(N, K, x.device)
     k_split = triton.cdiv(triton.cdiv(K, split), SKINNY["BLOCK_K"]) * SKINNY["BLOCK_K"]
@@ -447,8 +485,9 @@ def linear(x, weight):
     part = _empty((split, M, N), torch.float32, x.device) if split > 1 else y
     cfg = {k: SKINNY[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
     _skinny_kernel[(triton.cdiv(N, SKINNY["BLOCK_N"]), split)](
-        x2, weight, part, y, _stream_counters(x.device), M, N, K, k_split, x2.stride(0), SPLIT=split,
-        BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32, **cfg, **_pdl(x.device))
+        x2, weight, weight if norm is None else norm.weight, part, y, _stream_counters(x.device), M, N, K, k_split,
+        x2.stride(0), SPLIT=split, BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32,
+        NORM=norm is not None, EPS=0.0 if norm is None else float(norm.eps), SWIGLU=swiglu, **cfg, **_pdl(x.device))
     return y
 
 
@@ -476,10 +515,11 @@ def _split_len(L, NUM_SPLITS, MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, mask_ptr, o_ptr, lse_ptr,
+def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, mask_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr,
                       sm_scale, T, H, NUM_SPLITS, stride_cb, stride_cs, stride_qb, stride_qt, stride_qh,
-                      stride_mb, stride_mt, R: tl.constexpr, P: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                      BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, TREE: tl.constexpr):
+                      stride_pb, stride_pt, stride_ph, stride_mb, stride_mt, R: tl.constexpr, P: tl.constexpr,
+                      MIN_SPLIT: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, TREE: tl.constexpr,
+                      ROPE: tl.constexpr):
     # the q blocks of one split are launched next to each other, so the cache tiles that the first one reads are
     # still in L2 for the others (the cache is read from HBM about once, not once per block)
     b, split = tl.program_id(2), tl.program_id(1)
@@ -491,14 +531,19 @@ def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, mask_ptr, o_pt
         return
     s_end = tl.minimum(s_start + split_len, L)
 
-    # query rows r = t*H + h of row b (q_pe is [B, T, H, P] contiguous, so [B, T*H, P]; q_lat may be strided: it is
-    # the absorbed-query einsum's output, read in place)
+    # query rows r = t*H + h of row b (q_lat and q_pe may be strided: read in place)
     rows = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     row_mask = rows < T * H
     offs_r, offs_p = tl.arange(0, R), tl.arange(0, P)
     q_rows = q_lat_ptr + b * stride_qb + (rows // H) * stride_qt + (rows % H) * stride_qh
     q_lat = tl.load(q_rows[:, None] + offs_r[None, :], mask=row_mask[:, None], other=0.0)
-    q_pe = tl.load(q_pe_ptr + (b * T * H + rows)[:, None] * P + offs_p[None, :], mask=row_mask[:, None], other=0.0)
+    pe_rows = (q_pe_ptr + b * stride_pb + (rows // H) * stride_pt + (rows % H) * stride_ph)[:, None]
+    q_pe = tl.load(pe_rows + offs_p[None, :], mask=row_mask[:, None], other=0.0)
+    if ROPE:     # q_pe as q_b_proj made it: rotated here as model.rope rotates it (cos, sin [B, T, P])
+        partner = tl.load(pe_rows + _partner(offs_p, P, True)[None, :], mask=row_mask[:, None], other=0.0)
+        cs = (b * T + rows // H)[:, None] * P + offs_p[None, :]
+        q_pe = _rotate(q_pe, partner, tl.load(cos_ptr + cs, mask=row_mask[:, None], other=0.0),
+                       tl.load(sin_ptr + cs, mask=row_mask[:, None], other=0.0))
     # each query row's tree-mask row [T] bool, packed once into an int64 word: bit j = tree slot j visible
     j_tree = tl.arange(0, TREE)
     tm = tl.load(mask_ptr + b * stride_mb + (rows // H)[:, None] * stride_mt + j_tree[None, :],
@@ -582,7 +627,7 @@ ATTN_MAX_T = MASK_WORD_BITS      # each query row's tree-mask row is packed into
 
 def _mla_attention_fits(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale):
     B, T, H, R = q_lat.shape
-    return (_gpu(q_lat) and _pow2(R, 16) and _pow2(q_pe.shape[-1], 16) and q_lat.stride(-1) == 1
+    return (_gpu(q_lat) and _pow2(R, 16) and _pow2(q_pe.shape[-1], 16) and q_lat.stride(-1) == q_pe.stride(-1) == 1
             and q_lat.dtype == q_pe.dtype == cache.dtype and cache.shape[0] >= B and cache.is_contiguous()
             and isinstance(prefix_len, torch.Tensor)
             and tree_mask.dtype == torch.bool and T <= ATTN_MAX_T and tree_mask.stride(-1) == 1)
@@ -590,10 +635,16 @@ def _mla_attention_fits(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale
 
 # opaque to torch.compile: inductor would rebuild the kernels from their source; a graph break instead
 @register("mla_attention", fits=_mla_attention_fits)
-@torch.compiler.disable
 def mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale):
+    return _mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale)
+
+
+@torch.compiler.disable
+def _mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, rope=None):
+    """rope: (cos, sin) [B, T, P] contiguous: q_pe is not rotated yet; the kernel rotates it as it loads it."""
     (B, T, H, R), P = q_lat.shape, q_pe.shape[-1]
-    q_pe, prefix_len = q_pe.contiguous(), prefix_len.contiguous()
+    prefix_len = prefix_len.contiguous()
+    cos, sin = rope if rope is not None else (q_pe, q_pe)
     out = _empty(q_lat.shape, q_lat.dtype, q_lat.device)
     wide = T * H >= ATTN_WIDE["min_rows"]
     cfg = {k: ATTN_WIDE[k] for k in ATTN_BLOCKS} if wide else ATTN_BLOCKS
@@ -604,26 +655,51 @@ def mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale):
     o_part = _empty((B, num_splits, T * H, R), torch.float32, q_lat.device)
     lse_part = _empty((B, num_splits, T * H), torch.float32, q_lat.device)
     _mla_split_kernel[(n_qblocks, num_splits, B)](
-        q_lat, q_pe, cache, prefix_len, tree_mask.view(torch.int8), o_part, lse_part,
-        softmax_scale, T, H, num_splits, cache.stride(0), cache.stride(1), *q_lat.stride()[:3],
-        *tree_mask.stride()[:2], R=R, P=P, MIN_SPLIT=MIN_SPLIT, TREE=max(16, triton.next_power_of_2(T)), **cfg)
+        q_lat, q_pe, cache, prefix_len, tree_mask.view(torch.int8), o_part, lse_part, cos, sin,
+        softmax_scale, T, H, num_splits, cache.stride(0), cache.stride(1), *q_lat.stride()[:3], *q_pe.stride()[:3],
+        *tree_mask.stride()[:2], R=R, P=P, MIN_SPLIT=MIN_SPLIT, TREE=max(16, triton.next_power_of_2(T)),
+        ROPE=rope is not None, **cfg)
     _merge_splits(o_part, lse_part, prefix_len, out, T, H, MIN_SPLIT, BLOCK_S)
     return out
 
 
-# MLA's absorbed attention (model.MLA._absorbed): W_UV multiplies each head's o_lat straight into the [B, T, H, v]
-# rows o_proj reads (one bmm writing a strided view of them); the reference's einsum leaves [H, B*T, v] to copy.
-@register("MLA._absorbed", fits=lambda self, q_nope, q_pe, cache, start_pos, tree_mask: _glue(q_nope))
-def mla_absorbed(self, q_nope, q_pe, cache, start_pos, tree_mask):
+# MLA's attention part for decode and verify (model.MLA.attend with a cache, absorbed): q_a_layernorm inside the
+# q_b_proj GEMM (FUSE["q_norm"]), q_pe's rope inside the attention kernel (FUSE["q_rope"]): two launches fewer. Then
+# as model.MLA._absorbed, but W_UV multiplies each head's o_lat straight into the [B, T, H, v] rows o_proj reads (one
+# bmm writing a strided view of them); the reference's einsum leaves [H, B*T, v] to copy.
+def _absorbed(self, q_nope, q_pe, cache, start_pos, tree_mask, rope=None):
+    """model.MLA._absorbed; rope: (cos, sin) of a q_pe not rotated yet, inside the attention kernel where it fits."""
     (B, T, H, _), R, nope, v = q_nope.shape, self.kv_lora_rank, self.nope, self.v_dim
     wkv_b = self.kv_b_proj.weight.view(H, nope + v, R)
     q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :nope])                           # [B, T, H, R]
     prefix = start_pos if torch.is_tensor(start_pos) else torch.full((B,), start_pos, device=q_nope.device)
-    o_lat = _OPS["mla_attention"](q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)
+    args = (q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)
+    if rope is not None and FUSE["q_rope"] and _mla_attention_fits(*args) and all(
+            t.shape == (B, T, q_pe.shape[-1]) and t.is_contiguous() and t.dtype == q_pe.dtype for t in rope):
+        o_lat = _mla_attention(*args, rope=rope)
+    else:
+        q_pe = q_pe if rope is None else _OPS["rope"](q_pe, *rope)
+        o_lat = _OPS["mla_attention"](q_lat, q_pe, *args[2:])
     o = torch.empty(B, T, H, v, dtype=o_lat.dtype, device=o_lat.device)
     torch.bmm(o_lat.reshape(B * T, H, R).transpose(0, 1), wkv_b[:, nope:].transpose(1, 2),
               out=o.view(B * T, H, v).transpose(0, 1))
     return o
+
+
+@register("MLA.attend", fits=lambda self, x, cos, sin, cache, start_pos, tree_mask, absorb, slots: (
+    _glue(x) and absorb and cache is not None))
+def mla_attend(self, x, cos, sin, cache, start_pos, tree_mask, absorb, slots):
+    B, T, _ = x.shape
+    q_a, kv = self.qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], -1)
+    n, w = self.q_a_layernorm, self.q_b_proj.weight
+    if FUSE["q_norm"] and _skinny_fits(q_a, w) and n.weight.dtype == q_a.dtype:
+        q = _skinny(q_a, w, norm=n)
+    else:
+        q = self.q_b_proj(n(q_a))
+    q_nope, q_pe = q.view(B, T, self.n_heads, -1).split([self.nope, self.rope_dim], dim=-1)
+    n = self.kv_a_layernorm
+    _OPS["mla_latent_to_cache"](kv, n.weight, n.eps, cos, sin, cache, slots)
+    return _absorbed(self, q_nope, q_pe, cache[:B], start_pos, tree_mask, rope=(cos, sin))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -636,7 +712,6 @@ def mla_absorbed(self, q_nope, q_pe, cache, start_pos, tree_mask):
 # beside each token's routing program, programs that pack x for the MoE GEMV (_prep_block), which it reads too.
 
 ROUTER_MAX_T = 64       # more tokens (prefill): F.linear, where cuBLAS's tiles are full, then _route_kernel
-ROUTE_PREP = True       # the route launch also packs x for the MoE GEMV (one launch fewer per MoE layer)
 ROUTER_BLOCKS = dict(BLOCK_E=32, BLOCK_D=64, num_warps=4, num_stages=3)
 
 
@@ -793,7 +868,7 @@ def _route(x, weight, bias, top_k, norm, scale, prep: bool = False):
     _router_kernel[(n_eb, n_split)](x, weight, part, logits, _counters(x.device), N, E, D, d_split,
                                     N_SPLIT=n_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED, **cfg,
                                     **_pdl(x.device))
-    prep = prep and ROUTE_PREP and x.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0
+    prep = prep and FUSE["route_prep"] and x.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0
     return _route_launch(logits, bias, top_k, norm, scale, sort=N * top_k <= MOE_SORT_MAX_PAIRS,
                          x=x if prep else None)
 

@@ -340,9 +340,17 @@ class MLA(nn.Module):
             self.softmax_scale *= yarn_mscale(args.rope_factor, args.mscale_all_dim) ** 2
 
     def forward(self, x, cos, sin, cache, start_pos, tree_mask, absorb=False, slots=None):
-        """x [B, T, D] -> [B, T, D]. cache: this layer's rows [Bmax, S, R+P] (the new latents go to
-        slots [B, T]), or None: attention over x alone; tree_mask, start_pos: Transformer.forward's;
-        absorb: attend over the compressed cache (decode, verify)."""
+        """x [B, T, D] -> [B, T, D]: the heads' outputs (attend) through o_proj."""
+        o = self.attend(x, cos, sin, cache, start_pos, tree_mask, absorb, slots)    # [B, T, H, v]
+        y = self.o_proj(o.flatten(2))
+        if world_size > 1:
+            dist.all_reduce(y)      # o_proj is row-parallel: sum the heads' partial outputs
+        return y
+
+    @kernels.fast
+    def attend(self, x, cos, sin, cache, start_pos, tree_mask, absorb, slots):
+        """x [B, T, D] -> [B, T, H, v]. cache: this layer's rows [Bmax, S, R+P] (new latents to slots
+        [B, T]) or None (x attends to itself); absorb: attend over the compressed cache (decode)."""
         B, T, _ = x.shape
         q_a, kv = self.qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim],
                                            -1)                   # [B, T, q_lora_rank], [B, T, R+P]
@@ -352,15 +360,10 @@ class MLA(nn.Module):
         norm = self.kv_a_layernorm
         if cache is None:
             latent = mla_latent(kv, norm.weight, norm.eps, cos, sin)                 # [B, T, R+P]
-            o = self._naive(q_nope, q_pe, latent, tree_mask)
-        else:
-            mla_latent_to_cache(kv, norm.weight, norm.eps, cos, sin, cache, slots)
-            attend = self._absorbed if absorb else self._naive_cached
-            o = attend(q_nope, q_pe, cache[:B], start_pos, tree_mask)                # [B, T, H, v]
-        y = self.o_proj(o.flatten(2))
-        if world_size > 1:
-            dist.all_reduce(y)      # o_proj is row-parallel: sum the heads' partial outputs
-        return y
+            return self._naive(q_nope, q_pe, latent, tree_mask)
+        mla_latent_to_cache(kv, norm.weight, norm.eps, cos, sin, cache, slots)
+        attend = self._absorbed if absorb else self._naive_cached
+        return attend(q_nope, q_pe, cache[:B], start_pos, tree_mask)
 
     def _naive(self, q_nope, q_pe, keys, mask):
         """Decompress every key's latent into per-head k_nope and v (prefill: compute-bound,
@@ -386,7 +389,6 @@ class MLA(nn.Module):
         mask = torch.cat([prefix, tree_mask], -1)                                 # [B, T, S]
         return self._naive(q_nope, q_pe, cache[:, :start_pos + T], mask)
 
-    @kernels.fast
     def _absorbed(self, q_nope, q_pe, cache, start_pos, tree_mask):
         """W_UK absorbed into the query, W_UV into the output: attention over the R+P cached values
         per token (decode / verify: memory-bound, reads only the compressed cache)."""

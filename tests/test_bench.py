@@ -12,6 +12,7 @@ import bench
 import checkpoint as C
 import draft as Dr
 import generate as G
+import kernels
 import model as M
 import tiny
 import verify
@@ -147,6 +148,24 @@ def test_layers_compile_column(capsys):
     assert r["compile_error"] is None and r["compile_us"] > 0
     assert close(r["mbu"], r["floor_us"] / min(r["eager_us"], r["compile_us"]))
     assert r["graph_us"] is None                          # CPU: no CUDA graph
+
+
+def test_layers_fusions(capsys, monkeypatch):
+    """--fusions times the MoE block again with each fusion of kernels.FUSE off in turn (and only then: each one is
+    back on after), one row per (fusion, ctx, T) beside the all-on row it is compared with."""
+    seen = []
+    real = bench.time_block
+    monkeypatch.setattr(bench, "time_block", lambda *a, **k: seen.append(dict(kernels.FUSE)) or real(*a, **k))
+    res = bench.main(["layers", "--device", "cpu", "--scale", "tiny", "--tp", "8", "--ctx", "16", "--T", "1,9",
+                      "--copy-mb", "8", "--no-dense", "--fusions"])
+    assert last_json(capsys) == json.loads(json.dumps(res))
+    names = list(kernels.FUSE)
+    assert seen == [dict.fromkeys(names, True)] + [dict(dict.fromkeys(names, True), **{n: False}) for n in names]
+    assert all(kernels.FUSE.values())
+    rows, on = res["layers"]["fusions"], res["layers"]["rows"]
+    assert [(r["fusion"], r["T"]) for r in rows] == [(n, T) for n in names for T in (1, 9)]
+    assert [r["graph_us_on"] for r in rows] == [None] * len(rows)                     # CPU: no CUDA graph
+    assert [r["n_kernels_on"] for r in rows[:2]] == [r["n_kernels"] for r in on]
 
 
 def test_moe_split(capsys):

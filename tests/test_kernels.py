@@ -27,6 +27,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import checkpoint as C  # noqa: E402
+from bench import int4_ref  # noqa: E402  (model.Experts.forward as written, on fused_moe_w4a16's arguments)
 import draft as Dr  # noqa: E402
 import kernels  # noqa: E402
 import model as M  # noqa: E402
@@ -184,11 +185,6 @@ def router(weight, bias, top_k: int, norm: bool, scale: float, n_group: int = 1)
     """What model.Gate.forward and its launcher read of a Gate: its tensors and settings (topk_group 1)."""
     return types.SimpleNamespace(weight=weight, e_score_correction_bias=bias, top_k=top_k, norm=norm, scale=scale,
                                  n_group=n_group, topk_group=1)
-
-
-def int4_ref(x, topk_ids, topk_weights, *weights):
-    """model.Experts.forward as written, on make_moe's tensors (group size 32 unless given)."""
-    return M.Experts.forward.ref(C.int4_experts(*weights), x, topk_weights, topk_ids)
 
 
 def tiny_moe(**over) -> M.MoE:
@@ -457,9 +453,8 @@ def part_inputs(name: str, dtype, T_: int = 5):
     mla, D = model.layers[1].self_attn, model.args.hidden_size
     if name == "Transformer.blocks":
         return model, (randn(2, T_, D), cos, sin, model.kv_cache, start, mask, True, slots, (0, 2), False)
-    if name == "MLA._absorbed":
-        return mla, (randn(2, T_, mla.n_heads, mla.nope), randn(2, T_, mla.n_heads, mla.rope_dim),
-                     model.kv_cache[1], start, mask)
+    if name == "MLA.attend":
+        return mla, (randn(2, T_, D), cos, sin, model.kv_cache[1], start, mask, True, slots)
     if name == "MLP.forward":
         return model.layers[1].mlp.shared_experts, (randn(2, T_, D),)
     drafter = C.random_drafter("random:tiny-dflash", model.args, KERNEL_DEVICE, dtype, seed=T_)
@@ -475,16 +470,43 @@ def part_inputs(name: str, dtype, T_: int = 5):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
-@pytest.mark.parametrize("name", ["Transformer.blocks", "MLA._absorbed", "MLP.forward", "Layer.forward"])
+@pytest.mark.parametrize("name", ["Transformer.blocks", "MLA.attend", "MLA.attend unfused", "MLP.forward",
+                                  "MLP.forward unfused", "Layer.forward"])
 def test_parts_equal_their_plain_forward(name, dtype, monkeypatch):
-    """Each part's launcher == its plain forward as written: the layer stack (each residual add deferred into the
-    next norm; the tapped layers' outputs), MLA's absorbed attention (W_UV written into o_proj's rows), the SwiGLU
-    MLP (one silu_mul launch), the drafter's layer (its middle add and norm in one launch)."""
+    """Each part's launcher == its plain forward as written: the layer stack (each residual add deferred into the next
+    norm; the tapped layers' outputs), MLA's attention (the q_a norm inside the q_b GEMM, q_pe's rope inside the
+    attention kernel, each op on its own when unfused; W_UV written into o_proj's rows; the cache rows it writes
+    too), the SwiGLU MLP (SwiGLU inside the down GEMM, or one launch of its own), the drafter's
+    layer (its middle add and norm in one launch). The attention part and the MLP run every kernel they launch, under
+    the interpreter too; fused, the ops they fold in are never called."""
     monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
+    name, unfused = name.split()[0], name.endswith("unfused")
+    if unfused:
+        monkeypatch.setattr(kernels, "FUSE", dict.fromkeys(kernels.FUSE, False))
+    elif name in ("MLA.attend", "MLP.forward"):
+        def refuse(*args, **kw):
+            raise AssertionError("a fused op ran on its own")
+        monkeypatch.setitem(kernels._OPS, "rope", refuse)
+        if dtype != torch.float32:        # (fp32 GEMMs are F.linear's: the norm and SwiGLU stay on their own)
+            monkeypatch.setitem(kernels._OPS, "rms_norm", refuse)
+            monkeypatch.setattr(kernels, "silu_mul", refuse)
     module, args = part_inputs(name, dtype)
     ref = functools.reduce(getattr, name.split("."), M if name != "Layer.forward" else Dr).ref
+    fits, run = kernels._KERNELS[name]
+    tensors = [a for a in args if torch.is_tensor(a)]                         # the caches among them
+    before = [a.clone() for a in tensors]
     with torch.no_grad():
-        got, want = launch(name, module, *args), ref(module, *args)
+        assert fits(module, *args) == (KERNEL_DEVICE == "cuda")
+        want = ref(module, *args)
+        wrote = [a.clone() for a in tensors]
+        for a, b in zip(tensors, before):
+            if not torch.equal(a, b):                                          # (cos / sin may be expanded views)
+                a.copy_(b)
+        if name in ("MLA.attend", "MLP.forward"):               # the interpreter: every kernel these launch
+            monkeypatch.setattr(kernels, "_gpu", lambda t: True)
+        got = run(module, *args)
+    for a, b in zip(tensors, wrote):
+        assert_close(a, b, TOL[dtype], f"{name} {dtype}: the caches it wrote")
     if name == "Transformer.blocks":
         (got, got_taps), (want, want_taps) = got, want
         assert len(got_taps) == len(want_taps) == 2
@@ -636,6 +658,30 @@ def test_linear_kernel(M_, N, K, dtype, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [d for d in KERNEL_DTYPES if KERNEL_DEVICE == "cpu" or d != torch.float32], ids=str)
+@pytest.mark.parametrize("M_, N, K", [(1, 96, 256), (9, 200, 384), (33, 64, 1000)])
+def test_linear_kernel_fuses_the_norm_or_the_swiglu_before_it(M_, N, K, dtype, monkeypatch):
+    """The skinny GEMM with its input's RMSNorm (the q_a norm before q_b_proj) or SwiGLU (before down_proj) done as
+    it loads each tile == the plain ops, then F.linear: K split over programs, each taking a row's statistics over all
+    of K; the input read in place (a slice of the q_a | kv_a GEMM's rows; gate | up as one GEMM made them)."""
+    monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
+    g = torch.Generator().manual_seed(M_ + N + K)
+    rnd = lambda *shape: (torch.randn(*shape, generator=g) * 3).to(dtype).to(KERNEL_DEVICE)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype).to(KERNEL_DEVICE)
+    norm = M.RMSNorm(K, 1e-6).to(dtype).to(KERNEL_DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(rnd(K))
+    x = rnd(M_, K + 40)[:, :K]                                            # row-strided, as MLA.attend's q_a
+    assert kernels._skinny_split(N, K, KERNEL_DEVICE) > 1
+    want = F.linear(M.rms_norm.ref(x, norm.weight, norm.eps), w)
+    assert_close(kernels._skinny(x, w, norm=norm), want, TOL[dtype], f"norm, linear {M_}x{N}x{K} {dtype}")
+    gate_up = rnd(M_, 2 * K)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.linear(F.silu(gate) * up, w)
+    assert_close(kernels._skinny(gate_up, w, swiglu=True), want, TOL[dtype], f"swiglu, linear {M_}x{N}x{K} {dtype}")
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 def test_silu_mul_kernel(dtype):
     g = torch.Generator().manual_seed(0)
@@ -713,6 +759,14 @@ def test_mla_attention_kernel(T_, H, prefixes, kind, tiles, dtype, monkeypatch):
     shared = args[4][:1].expand_as(args[4])
     assert torch.equal(launch("mla_attention", *args[:4], shared, args[5]),
                        launch("mla_attention", *args[:4], shared.contiguous(), args[5]))
+    # q_pe not rotated yet, a slice of q_b_proj's rows as MLA.attend leaves it: the kernel rotates it as it loads it
+    g = torch.Generator().manual_seed(T_)
+    q_pe = torch.randn(len(prefixes), T_, H, 24 + 16, generator=g).to(dtype).to(KERNEL_DEVICE)[..., 24:]
+    cos, sin = M.rope_cos_sin(torch.rand(8, generator=g), 1.0, torch.arange(T_).expand(len(prefixes), -1), dtype)
+    cos, sin = cos.to(KERNEL_DEVICE), sin.to(KERNEL_DEVICE)
+    ref = M.mla_attention.ref(args[0], M.rope.ref(q_pe, cos, sin), *args[2:])
+    assert_close(kernels._mla_attention(args[0], q_pe, *args[2:], rope=(cos, sin)), ref, TOL[dtype],
+                 f"attn with rope T={T_} H={H} {dtype}")
 
 
 @needs_kernels
@@ -1014,6 +1068,46 @@ def test_kernels_under_triton_interpreter():
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, report
     assert "passed" in proc.stdout and "skipped" not in proc.stdout, report
+
+
+def count_triton_launches(monkeypatch) -> list:
+    """Every Triton kernel launched from now on, by name (compiled or interpreted)."""
+    import triton.runtime.interpreter
+    import triton.runtime.jit
+    names = []
+    for cls in (triton.runtime.jit.JITFunction, triton.runtime.interpreter.InterpretedFunction):
+        def run(self, *args, _run=cls.run, **kw):
+            names.append(self.fn.__name__ if hasattr(self, "fn") else self.__name__)
+            return _run(self, *args, **kw)
+        monkeypatch.setattr(cls, "run", run)
+    return names
+
+
+@needs_kernels
+def test_moe_layer_launches(monkeypatch):
+    """A K2.6-shaped MoE layer's decode step (bench.layer_step: per-rank TP8 shapes, shrunk) launches 16 Triton kernels
+    (beside absorbed MLA's two bmm), and each fusion of kernels.FUSE saves one launch: off, the step launches one more,
+    the kernel it folds in."""
+    import bench
+    monkeypatch.setattr(kernels, "_gpu", lambda t: True)                   # (the interpreter's CPU tensors)
+    args, block = bench.build_block(bench.k26_text_config("tiny"), 1, 8, KERNEL_DEVICE, torch.float16, 0)
+    s = bench.step_inputs(args, 1, 64, "random", KERNEL_DEVICE, torch.float16, 0)
+    cache = torch.randn(1, 65, args.kv_lora_rank + args.qk_rope_head_dim).half().to(KERNEL_DEVICE)
+    step = bench.layer_step(block, s, cache)
+    folded = dict(q_norm="_rms_norm_kernel", q_rope="_rope_kernel", down_swiglu="_silu_mul_kernel",
+                  route_prep="_moe_prep_f16")
+    assert set(folded) == set(kernels.FUSE)
+    with torch.no_grad():
+        step()
+        names = count_triton_launches(monkeypatch)
+        step()
+        assert len(names) == 16, names
+        for fusion, kernel in folded.items():
+            names.clear()
+            monkeypatch.setitem(kernels.FUSE, fusion, False)
+            step()
+            monkeypatch.setitem(kernels.FUSE, fusion, True)
+            assert len(names) == 17 and kernel in names, (fusion, names)
 
 
 def test_moe_part_stream_order(monkeypatch):

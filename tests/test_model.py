@@ -171,7 +171,8 @@ CONTRACT = {
     "mla_attention": "q_lat q_pe cache prefix_len tree_mask softmax_scale",
     # the parts: a block stack, attention, MLP and MoE method with one launcher each
     "Transformer.blocks": "self h cos sin caches start_pos tree_mask absorb slots hidden_layers debug",
-    "MLA._absorbed": "self q_nope q_pe cache start_pos tree_mask", "MLP.forward": "self x",
+    "MLA.attend": "self x cos sin cache start_pos tree_mask absorb slots",
+    "MLP.forward": "self x",
     "Gate.forward": "self x", "MoE.local": "self x", "Experts.forward": "self x weights ids",
 }
 
