@@ -1736,7 +1736,7 @@ def bench_kernels(a, device, dtype) -> dict:
     return {"copy_GBps": bw, "mma_TFps": peak, "plain_read_32k_us": us, "rows": rows, "passed": ok}
 
 
-LINEAR_SHAPES = {"q_a | kv_a": (2112, 7168), "q_b": (1536, 1536), "o_proj": (7168, 1024),
+LINEAR_SHAPES = {"q_a | kv_a": (2112, 7168), "q_b, W_UK in": (4608, 1536), "o_proj": (7168, 1024),
                  "shared gate | up": (512, 7168), "shared down": (7168, 256), "dense gate | up": (4608, 7168),
                  "dense down": (7168, 2304),
                  "lm_head": (20480, 7168)}    # [N, K] at TP8, rank 0: a MoE layer's five, the dense layer's, the head

@@ -3,10 +3,10 @@ Triton fast paths of nano-ddtree: each kernel computes what a plain PyTorch func
 reference), in fewer launches or fewer bytes.
 
     model.py   ops: linear, rms_norm, rope, mla_latent_to_cache, mla_attention
-               parts: Transformer.blocks (each residual add fused into the next norm), MLA.attend (the q_a norm in
-               the q_b GEMM, q_pe's rope in attention), MLP.forward (SwiGLU in the down GEMM), Gate.forward (the
-               router), Experts.forward (fused_moe_w4a16), MoE.local (router, routed and shared experts as one
-               launcher); the fusions across op boundaries are switches in FUSE
+               parts: Transformer.blocks (each residual add fused into the next norm), MLA.attend (W_UK and the
+               q_a norm in the q_b GEMM, q_pe's rope in attention), MLP.forward (SwiGLU in the down GEMM),
+               Gate.forward (the router), Experts.forward (fused_moe_w4a16), MoE.local (router, routed and shared
+               experts as one launcher); the fusions across op boundaries are switches in FUSE
     draft.py   ops: qkv_norm_rope, block_attention; part: Layer.forward
     tree.py    rank_topk, ddtree_search;   verify.py  accept, commit_kv
 
@@ -110,7 +110,8 @@ def _row_warps(block: int) -> int:
 MASK_WORD_BITS = 64     # tree slots one int64 word of a tree-mask row holds (the attention and search kernels)
 # Fusions across a part's op boundaries, each one launch fewer a layer; a switch each, so that bench.py layers
 # --fusions can time the part without it
-FUSE = dict(q_norm=True,        # MLA: q_a_layernorm inside the q_b_proj GEMM, as it loads q_a
+FUSE = dict(q_absorb=True,      # MLA: W_UK folded into q_b_proj's weight, so one GEMM gives q_lat | q_pe (no bmm)
+            q_norm=True,        # MLA: q_a_layernorm inside the q_b_proj GEMM, as it loads q_a
             q_rope=True,        # MLA: q_pe's rope inside the attention kernel, as it loads q_pe
             down_swiglu=True,   # SwiGLU MLPs: silu(gate) * up inside the down_proj GEMM, as it loads gate | up
             route_prep=True)    # MoE: the route launch also packs x for the MoE GEMV
@@ -663,43 +664,61 @@ def _mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, rop
     return out
 
 
-# MLA's attention part for decode and verify (model.MLA.attend with a cache, absorbed): q_a_layernorm inside the
-# q_b_proj GEMM (FUSE["q_norm"]), q_pe's rope inside the attention kernel (FUSE["q_rope"]): two launches fewer. Then
-# as model.MLA._absorbed, but W_UV multiplies each head's o_lat straight into the [B, T, H, v] rows o_proj reads (one
-# bmm writing a strided view of them); the reference's einsum leaves [H, B*T, v] to copy.
-def _absorbed(self, q_nope, q_pe, cache, start_pos, tree_mask, rope=None):
-    """model.MLA._absorbed; rope: (cos, sin) of a q_pe not rotated yet, inside the attention kernel where it fits."""
-    (B, T, H, _), R, nope, v = q_nope.shape, self.kv_lora_rank, self.nope, self.v_dim
-    wkv_b = self.kv_b_proj.weight.view(H, nope + v, R)
-    q_lat = torch.einsum("bthd,hdr->bthr", q_nope, wkv_b[:, :nope])                           # [B, T, H, R]
-    prefix = start_pos if torch.is_tensor(start_pos) else torch.full((B,), start_pos, device=q_nope.device)
+# MLA's attention part for decode and verify (model.MLA.attend with a cache, absorbed), model.MLA._absorbed's math in
+# fewer launches: W_UK folded into q_b_proj's weight (FUSE["q_absorb"]: one GEMM gives q_lat | q_pe, no bmm), the
+# q_a RMSNorm inside that GEMM (FUSE["q_norm"]), q_pe's rope inside the attention kernel (FUSE["q_rope"]). W_UV
+# multiplies each head's o_lat straight into the [B, T, H, v] rows o_proj reads (one bmm writing a strided view of
+# them); the reference's einsum leaves [H, B*T, v] to copy.
+def _q_absorbed(self) -> torch.Tensor:
+    """q_b_proj's weight with W_UK folded into each head's nope rows: [H * (R+P), q_lora_rank], head h's rows W_UK[h]^T
+    W_q_nope[h] (its q_lat) then W_q_pe[h]; made in fp32 from the two checkpoint tensors, kept until either changes."""
+    q_b, kv_b = self.q_b_proj.weight, self.kv_b_proj.weight
+    key = (q_b.data_ptr(), q_b._version, kv_b.data_ptr(), kv_b._version)
+    if getattr(self, "_q_absorbed_key", None) != key:
+        H, nope, R = self.n_heads, self.nope, self.kv_lora_rank
+        w_q = q_b.float().view(H, nope + self.rope_dim, -1)                              # [H, nope+P, q_lora]
+        w_uk = kv_b.float().view(H, nope + self.v_dim, R)[:, :nope]                      # [H, nope, R]
+        w = torch.cat([torch.einsum("hdr,hdq->hrq", w_uk, w_q[:, :nope]), w_q[:, nope:]], 1)   # [H, R+P, q_lora]
+        self._q_absorbed_w, self._q_absorbed_key = w.flatten(0, 1).to(q_b.dtype), key
+    return self._q_absorbed_w
+
+
+def _attend_cache(self, q_lat, q_pe, cache, start_pos, tree_mask, rope):
+    """Absorbed attention, then W_UV: q_lat [B, T, H, R], q_pe [B, T, H, P] (not rotated yet: rope = (cos, sin)) ->
+    [B, T, H, v]."""
+    (B, T, H, R), v = q_lat.shape, self.v_dim
+    prefix = start_pos if torch.is_tensor(start_pos) else torch.full((B,), start_pos, device=q_lat.device)
     args = (q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)
-    if rope is not None and FUSE["q_rope"] and _mla_attention_fits(*args) and all(
+    if FUSE["q_rope"] and _mla_attention_fits(*args) and all(
             t.shape == (B, T, q_pe.shape[-1]) and t.is_contiguous() and t.dtype == q_pe.dtype for t in rope):
         o_lat = _mla_attention(*args, rope=rope)
     else:
-        q_pe = q_pe if rope is None else _OPS["rope"](q_pe, *rope)
-        o_lat = _OPS["mla_attention"](q_lat, q_pe, *args[2:])
+        o_lat = _OPS["mla_attention"](q_lat, _OPS["rope"](q_pe, *rope), *args[2:])
     o = torch.empty(B, T, H, v, dtype=o_lat.dtype, device=o_lat.device)
-    torch.bmm(o_lat.reshape(B * T, H, R).transpose(0, 1), wkv_b[:, nope:].transpose(1, 2),
-              out=o.view(B * T, H, v).transpose(0, 1))
+    w_uv = self.kv_b_proj.weight.view(H, self.nope + v, R)[:, self.nope:]                         # [H, v, R]
+    torch.bmm(o_lat.reshape(B * T, H, R).transpose(0, 1), w_uv.transpose(1, 2), out=o.view(B * T, H, v).transpose(0, 1))
     return o
 
 
 @register("MLA.attend", fits=lambda self, x, cos, sin, cache, start_pos, tree_mask, absorb, slots: (
     _glue(x) and absorb and cache is not None))
 def mla_attend(self, x, cos, sin, cache, start_pos, tree_mask, absorb, slots):
-    B, T, _ = x.shape
-    q_a, kv = self.qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], -1)
-    n, w = self.q_a_layernorm, self.q_b_proj.weight
+    (B, T, _), H, R, nope = x.shape, self.n_heads, self.kv_lora_rank, self.nope
+    q_a, kv = self.qkv_a_proj(x).split([self.q_lora_rank, R + self.rope_dim], -1)
+    n, w = self.q_a_layernorm, (_q_absorbed(self) if FUSE["q_absorb"] else self.q_b_proj.weight)
     if FUSE["q_norm"] and _skinny_fits(q_a, w) and n.weight.dtype == q_a.dtype:
         q = _skinny(q_a, w, norm=n)
     else:
-        q = self.q_b_proj(n(q_a))
-    q_nope, q_pe = q.view(B, T, self.n_heads, -1).split([self.nope, self.rope_dim], dim=-1)
+        q = _OPS["linear"](n(q_a), w)
+    if FUSE["q_absorb"]:
+        q_lat, q_pe = q.view(B, T, H, -1).split([R, self.rope_dim], dim=-1)
+    else:
+        q_nope, q_pe = q.view(B, T, H, -1).split([nope, self.rope_dim], dim=-1)
+        w_uk = self.kv_b_proj.weight.view(H, nope + self.v_dim, R)[:, :nope]                    # [H, nope, R]
+        q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)                                    # [B, T, H, R]
     n = self.kv_a_layernorm
     _OPS["mla_latent_to_cache"](kv, n.weight, n.eps, cos, sin, cache, slots)
-    return _absorbed(self, q_nope, q_pe, cache[:B], start_pos, tree_mask, rope=(cos, sin))
+    return _attend_cache(self, q_lat, q_pe, cache[:B], start_pos, tree_mask, (cos, sin))
 
 
 # ----------------------------------------------------------------------------------------------------------

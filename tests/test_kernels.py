@@ -474,9 +474,9 @@ def part_inputs(name: str, dtype, T_: int = 5):
                                   "MLP.forward unfused", "Layer.forward"])
 def test_parts_equal_their_plain_forward(name, dtype, monkeypatch):
     """Each part's launcher == its plain forward as written: the layer stack (each residual add deferred into the next
-    norm; the tapped layers' outputs), MLA's attention (the q_a norm inside the q_b GEMM, q_pe's rope inside the
-    attention kernel, each op on its own when unfused; W_UV written into o_proj's rows; the cache rows it writes
-    too), the SwiGLU MLP (SwiGLU inside the down GEMM, or one launch of its own), the drafter's
+    norm; the tapped layers' outputs), MLA's attention (W_UK folded into the q_b weight, the q_a norm inside that
+    GEMM, q_pe's rope inside the attention kernel, each op on its own when unfused; W_UV written into o_proj's rows;
+    the cache rows it writes too), the SwiGLU MLP (SwiGLU inside the down GEMM, or one launch of its own), the drafter's
     layer (its middle add and norm in one launch). The attention part and the MLP run every kernel they launch, under
     the interpreter too; fused, the ops they fold in are never called."""
     monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
@@ -514,6 +514,23 @@ def test_parts_equal_their_plain_forward(name, dtype, monkeypatch):
             assert_close(a, b, TOL[dtype], f"{name} taps {dtype}")
     assert got.dtype == want.dtype and got.shape == want.shape
     assert_close(got, want, TOL[dtype], f"{name} {dtype}")
+
+
+@needs_kernels
+def test_attention_part_follows_its_weights(monkeypatch):
+    """The q_b_proj weight with W_UK folded in is made once and kept: a change to either checkpoint tensor in place (an
+    optimizer step, a load) makes it again, so the part never attends with stale weights."""
+    mla, args = part_inputs("MLA.attend", torch.float32)
+    monkeypatch.setattr(kernels, "_gpu", lambda t: True)
+    run = kernels._KERNELS["MLA.attend"][1]
+    with torch.no_grad():
+        run(mla, *args)
+        kept = kernels._q_absorbed(mla)
+        assert kernels._q_absorbed(mla) is kept
+        for w in (mla.q_b_proj.weight, mla.kv_b_proj.weight):
+            w.mul_(1.5)
+            assert_close(run(mla, *args), M.MLA.attend.ref(mla, *args), TOL[torch.float32], "after a weight change")
+        assert kernels._q_absorbed(mla) is not kept
 
 
 @needs_kernels
@@ -1083,31 +1100,45 @@ def count_triton_launches(monkeypatch) -> list:
     return names
 
 
+class MatmulLaunches(torch.utils._python_dispatch.TorchDispatchMode):
+    """Inside: the PyTorch matmuls (cuBLAS launches on a GPU) are appended to `names` as "aten.bmm" etc."""
+    def __init__(self, names: list):
+        super().__init__()
+        self.names = names
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("bmm", "mm", "addmm", "matmul", "baddbmm"):
+            self.names.append("aten." + func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
 @needs_kernels
 def test_moe_layer_launches(monkeypatch):
-    """A K2.6-shaped MoE layer's decode step (bench.layer_step: per-rank TP8 shapes, shrunk) launches 16 Triton kernels
-    (beside absorbed MLA's two bmm), and each fusion of kernels.FUSE saves one launch: off, the step launches one more,
-    the kernel it folds in."""
+    """A K2.6-shaped MoE layer's decode step (bench.layer_step: per-rank TP8 shapes, shrunk) launches 17 kernels (16
+    Triton, absorbed MLA's W_UV bmm), and each fusion of kernels.FUSE saves one launch: off, the step launches one
+    more, the kernel it folds in."""
     import bench
     monkeypatch.setattr(kernels, "_gpu", lambda t: True)                   # (the interpreter's CPU tensors)
     args, block = bench.build_block(bench.k26_text_config("tiny"), 1, 8, KERNEL_DEVICE, torch.float16, 0)
     s = bench.step_inputs(args, 1, 64, "random", KERNEL_DEVICE, torch.float16, 0)
     cache = torch.randn(1, 65, args.kv_lora_rank + args.qk_rope_head_dim).half().to(KERNEL_DEVICE)
     step = bench.layer_step(block, s, cache)
-    folded = dict(q_norm="_rms_norm_kernel", q_rope="_rope_kernel", down_swiglu="_silu_mul_kernel",
-                  route_prep="_moe_prep_f16")
+    folded = dict(q_absorb="aten.bmm", q_norm="_rms_norm_kernel", q_rope="_rope_kernel",
+                  down_swiglu="_silu_mul_kernel", route_prep="_moe_prep_f16")
     assert set(folded) == set(kernels.FUSE)
     with torch.no_grad():
         step()
         names = count_triton_launches(monkeypatch)
-        step()
-        assert len(names) == 16, names
+        with MatmulLaunches(names):
+            step()
+        assert len(names) == 17 and names.count("aten.bmm") == 1, names
         for fusion, kernel in folded.items():
             names.clear()
             monkeypatch.setitem(kernels.FUSE, fusion, False)
-            step()
+            with MatmulLaunches(names):
+                step()
             monkeypatch.setitem(kernels.FUSE, fusion, True)
-            assert len(names) == 17 and kernel in names, (fusion, names)
+            assert len(names) == 18 and kernel in names, (fusion, names)
 
 
 def test_moe_part_stream_order(monkeypatch):
