@@ -705,12 +705,13 @@ def _attend_cache(self, q_lat, q_pe, cache, start_pos, tree_mask, rope):
 def mla_attend(self, x, cos, sin, cache, start_pos, tree_mask, absorb, slots):
     (B, T, _), H, R, nope = x.shape, self.n_heads, self.kv_lora_rank, self.nope
     q_a, kv = self.qkv_a_proj(x).split([self.q_lora_rank, R + self.rope_dim], -1)
-    n, w = self.q_a_layernorm, (_q_absorbed(self) if FUSE["q_absorb"] else self.q_b_proj.weight)
+    fold = FUSE["q_absorb"] and B * T <= SKINNY_MAX_M     # (more rows: its 2.5x FLOPs, not the bytes, would count)
+    n, w = self.q_a_layernorm, (_q_absorbed(self) if fold else self.q_b_proj.weight)
     if FUSE["q_norm"] and _skinny_fits(q_a, w) and n.weight.dtype == q_a.dtype:
         q = _skinny(q_a, w, norm=n)
     else:
         q = _OPS["linear"](n(q_a), w)
-    if FUSE["q_absorb"]:
+    if fold:
         q_lat, q_pe = q.view(B, T, H, -1).split([R, self.rope_dim], dim=-1)
     else:
         q_nope, q_pe = q.view(B, T, H, -1).split([nope, self.rope_dim], dim=-1)
