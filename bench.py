@@ -1286,6 +1286,32 @@ def bench_draft(a, device, dtype) -> dict:
 # peer: the same layer (and the e2e model) through transformers' DeepseekV3
 
 
+# The name `kernels` is also Hugging Face's package of hub kernels, which transformers imports when it loads
+# (`from kernels import ...` in transformers.integrations.hub_kernels). With the project root on sys.path that import
+# would find kernels.py. The tests and `bench.py peer` load transformers through import_transformers() instead.
+
+def import_transformers():
+    """Import transformers with kernels.py out of the way: the project root off sys.path and no `kernels` in
+    sys.modules while transformers binds Hugging Face's package, then kernels.py takes its name back. Hub kernels
+    stay off (USE_HUB_KERNELS=0 unless set): transformers is our reference as plain PyTorch, and from_pretrained
+    would otherwise import more of that package by kernels.py's name."""
+    import importlib
+    import sys
+    os.environ.setdefault("USE_HUB_KERNELS", "0")
+    if "transformers.integrations.hub_kernels" not in sys.modules:
+        root = os.path.dirname(os.path.abspath(kernels.__file__))
+        ours, path = sys.modules.pop("kernels", None), sys.path[:]
+        sys.path[:] = [p for p in path if os.path.abspath(p or os.curdir) != root]
+        try:
+            importlib.import_module("transformers.integrations.hub_kernels")
+        finally:
+            sys.path[:] = path
+            sys.modules.pop("kernels", None)
+            if ours is not None:
+                sys.modules["kernels"] = ours
+    return importlib.import_module("transformers")
+
+
 def hf_config(text_cfg: dict, tp: int, experts_impl: str):
     """transformers' DeepseekV3Config for rank 0's shapes at TP tp (the peer runs the per-rank problem)."""
     from transformers import DeepseekV3Config
@@ -1418,7 +1444,7 @@ def peer_e2e(a, device, dtype) -> dict:
 
 @torch.no_grad()
 def bench_peer(a, device, dtype) -> dict:
-    kernels.import_transformers()        # Hugging Face's `kernels` package, not ours, for transformers
+    import_transformers()        # Hugging Face's `kernels` package, not ours, for transformers
     scale = _scale(a, device)
     cfg = k26_text_config(scale)
     print0(f"\n## peer: transformers DeepseekV3 vs ours, K2.6 {scale} shapes, TP{a.tp} per-rank, "

@@ -4,7 +4,7 @@ reference), in fewer launches or fewer bytes.
 
     model.py   ops: linear, rms_norm, rope, mla_latent_to_cache, mla_attention
                parts: Transformer.blocks (each residual add fused into the next norm), MLA.attend (W_UK and the
-               q_a norm in the q_b GEMM, q_pe's rope in attention), MLP.forward (SwiGLU in the down GEMM),
+               q_a norm in the q_b GEMM, q_pe's rope and W_UV in attention), MLP.forward (SwiGLU in the down GEMM),
                Gate.forward (the router), Experts.forward (fused_moe_w4a16), MoE.local (router, routed and shared
                experts as one launcher); the fusions across op boundaries are switches in FUSE
     draft.py   ops: qkv_norm_rope, block_attention; part: Layer.forward
@@ -113,6 +113,7 @@ MASK_WORD_BITS = 64     # tree slots one int64 word of a tree-mask row holds (th
 FUSE = dict(q_absorb=True,      # MLA: W_UK folded into q_b_proj's weight, so one GEMM gives q_lat | q_pe (no bmm)
             q_norm=True,        # MLA: q_a_layernorm inside the q_b_proj GEMM, as it loads q_a
             q_rope=True,        # MLA: q_pe's rope inside the attention kernel, as it loads q_pe
+            uv_merge=True,      # MLA: W_UV inside the attention's merge, as it sums the splits (no output bmm)
             down_swiglu=True,   # SwiGLU MLPs: silu(gate) * up inside the down_proj GEMM, as it loads gate | up
             route_prep=True)    # MoE: the route launch also packs x for the MoE GEMV
 
@@ -505,7 +506,8 @@ ATTN_BLOCKS = dict(BLOCK_Q=16, BLOCK_S=64, num_warps=4, num_stages=2)   # query 
 ATTN_SPLITS = dict(max_splits=256, min_split_len=128, waves=2)
 # from min_rows query rows (T x local heads): 64-row blocks, so fewer blocks re-read the cache through L2
 ATTN_WIDE = dict(min_rows=512, BLOCK_Q=64, BLOCK_S=64, num_warps=8, num_stages=2, waves=1)
-ATTN_MERGE = dict(elements=16384, num_warps=4)   # the merge: BLOCK_R latent columns x every split ~ `elements`
+# the merge: BLOCK_R latent columns x every split ~ `elements`; times W_UV, BLOCK_V of its rows a program
+ATTN_MERGE = dict(elements=16384, num_warps=4, BLOCK_V=32)
 
 
 @triton.jit
@@ -590,12 +592,14 @@ def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, mask_ptr, o_pt
 
 
 @triton.jit
-def _mla_merge_kernel(o_part_ptr, lse_ptr, prefix_ptr, out_ptr, T, H, NUM_SPLITS, R: tl.constexpr,
-                      MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
-    # Program (b, row, r-block): out = sum_i exp(lse_i - M) o_i / sum_i exp(lse_i - M), M = max_i lse_i, over the
-    # splits i that stage 1 wrote (all of them loaded at once: SPLITS = next power of two >= NUM_SPLITS).
+def _mla_merge_kernel(o_part_ptr, lse_ptr, prefix_ptr, out_ptr, w_ptr, stride_wh, T, H, NUM_SPLITS, R: tl.constexpr,
+                      MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
+                      V: tl.constexpr, BLOCK_V: tl.constexpr):
+    # Program (b, row, block): o = sum_i exp(lse_i - M) o_i / sum_i exp(lse_i - M), M = max_i lse_i, over the
+    # splits i that stage 1 wrote (all of them loaded at once: SPLITS = next power of two >= NUM_SPLITS): columns
+    # block*BLOCK_R.. of o; or (V > 0) rows block*BLOCK_V.. of W_UV[h] o, o rounded to out's dtype first as the
+    # attention output is, R in BLOCK_R slices.
     b, row = tl.program_id(0), tl.program_id(1)
-    offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     L = tl.load(prefix_ptr + b).to(tl.int32) + T
     split = tl.arange(0, SPLITS)
     written = split < tl.cdiv(L, _split_len(L, NUM_SPLITS, MIN_SPLIT, BLOCK_S))
@@ -603,24 +607,41 @@ def _mla_merge_kernel(o_part_ptr, lse_ptr, prefix_ptr, out_ptr, T, H, NUM_SPLITS
     lse = tl.load(lse_ptr + part, mask=written, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))                      # 0 for unwritten / empty splits
-    o = tl.load(o_part_ptr + part[:, None].to(tl.int64) * R + offs_r[None, :], mask=written[:, None], other=0.0)
     l = tl.sum(w, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(l > 0, l, 1.0)                  # no visible key -> zeros
-    tl.store(out_ptr + (b * T * H + row) * R + offs_r, out.to(out_ptr.dtype.element_ty))
+    l = tl.where(l > 0, l, 1.0)                                                 # no visible key -> zeros
+    if V == 0:
+        offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+        o = tl.load(o_part_ptr + part[:, None].to(tl.int64) * R + offs_r[None, :], mask=written[:, None], other=0.0)
+        tl.store(out_ptr + (b * T * H + row) * R + offs_r, (tl.sum(o * w[:, None], 0) / l).to(out_ptr.dtype.element_ty))
+    else:
+        offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+        acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
+        for r0 in tl.static_range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            o = tl.load(o_part_ptr + part[:, None].to(tl.int64) * R + offs_r[None, :], mask=written[:, None], other=0.0)
+            o = (tl.sum(o * w[:, None], 0) / l).to(out_ptr.dtype.element_ty).to(tl.float32)          # [BLOCK_R]
+            w_uv = tl.load(w_ptr + (row % H) * stride_wh + offs_v[:, None] * R + offs_r[None, :])   # [BLOCK_V, BLOCK_R]
+            acc += tl.sum(w_uv.to(tl.float32) * o[None, :], 1)
+        tl.store(out_ptr + (b * T * H + row) * V + offs_v, acc.to(out_ptr.dtype.element_ty))
 
 
 def _num_splits(S: int, max_splits: int, min_split_len: int, waves: float, programs: int, device) -> int:
     # splits of S cache keys for ~`waves` waves of `programs` programs each, at most one per min_split_len keys
     return max(1, min(max_splits, triton.cdiv(S, min_split_len), triton.cdiv(int(waves * _sm_count(device)), programs)))
 
-def _merge_splits(o_part, lse_part, prefix_len, out, T: int, H: int, MIN_SPLIT: int, BLOCK_S: int) -> None:
-    # stage 2 of the split attentions: o_part [B, NS, T*H, R] fp32 and lse_part [B, NS, T*H] -> out [B, T, H, R]
+def _merge_splits(o_part, lse_part, prefix_len, out, T: int, H: int, MIN_SPLIT: int, BLOCK_S: int, w_uv=None) -> None:
+    # stage 2 of the split attentions: o_part [B, NS, T*H, R] fp32 and lse_part [B, NS, T*H] -> out [B, T, H, R]; or,
+    # w_uv [H, v, R] (rows strided by head, R contiguous) given, out [B, T, H, v] = each head's W_UV times its row
     B, num_splits, _, R = o_part.shape
     SPLITS = triton.next_power_of_2(num_splits)
     BLOCK_R = min(R, max(16, 1 << (ATTN_MERGE["elements"] // SPLITS).bit_length() - 1))     # a power of two
-    _mla_merge_kernel[(B, T * H, R // BLOCK_R)](
-        o_part, lse_part, prefix_len, out, T, H, num_splits, R=R, MIN_SPLIT=MIN_SPLIT, BLOCK_S=BLOCK_S,
-        SPLITS=SPLITS, BLOCK_R=BLOCK_R, num_warps=ATTN_MERGE["num_warps"])
+    V = 0 if w_uv is None else w_uv.shape[1]
+    BLOCK_V = min(V, ATTN_MERGE["BLOCK_V"]) if V else 1
+    BLOCK_R = min(BLOCK_R, ATTN_MERGE["elements"] // BLOCK_V) if V else BLOCK_R      # W_UV's tile: BLOCK_V x BLOCK_R
+    _mla_merge_kernel[(B, T * H, V // BLOCK_V if V else R // BLOCK_R)](
+        o_part, lse_part, prefix_len, out, out if w_uv is None else w_uv, w_uv.stride(0) if V else 0, T, H, num_splits,
+        R=R, MIN_SPLIT=MIN_SPLIT, BLOCK_S=BLOCK_S, SPLITS=SPLITS, BLOCK_R=BLOCK_R, V=V, BLOCK_V=BLOCK_V,
+        num_warps=ATTN_MERGE["num_warps"])
 
 
 ATTN_MAX_T = MASK_WORD_BITS      # each query row's tree-mask row is packed into one word
@@ -641,12 +662,13 @@ def mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale):
 
 
 @torch.compiler.disable
-def _mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, rope=None):
-    """rope: (cos, sin) [B, T, P] contiguous: q_pe is not rotated yet; the kernel rotates it as it loads it."""
+def _mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, rope=None, w_uv=None):
+    """rope: (cos, sin) [B, T, P] contiguous: q_pe is not rotated yet; the kernel rotates it as it loads it. w_uv:
+    [H, v, R] (R contiguous): the output is W_UV times each head's, [B, T, H, v], made as the merge sums the splits."""
     (B, T, H, R), P = q_lat.shape, q_pe.shape[-1]
     prefix_len = prefix_len.contiguous()
     cos, sin = rope if rope is not None else (q_pe, q_pe)
-    out = _empty(q_lat.shape, q_lat.dtype, q_lat.device)
+    out = _empty((B, T, H, R if w_uv is None else w_uv.shape[1]), q_lat.dtype, q_lat.device)
     wide = T * H >= ATTN_WIDE["min_rows"]
     cfg = {k: ATTN_WIDE[k] for k in ATTN_BLOCKS} if wide else ATTN_BLOCKS
     waves = ATTN_WIDE["waves"] if wide else ATTN_SPLITS["waves"]
@@ -660,15 +682,15 @@ def _mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, rop
         softmax_scale, T, H, num_splits, cache.stride(0), cache.stride(1), *q_lat.stride()[:3], *q_pe.stride()[:3],
         *tree_mask.stride()[:2], R=R, P=P, MIN_SPLIT=MIN_SPLIT, TREE=max(16, triton.next_power_of_2(T)),
         ROPE=rope is not None, **cfg)
-    _merge_splits(o_part, lse_part, prefix_len, out, T, H, MIN_SPLIT, BLOCK_S)
+    _merge_splits(o_part, lse_part, prefix_len, out, T, H, MIN_SPLIT, BLOCK_S, w_uv)
     return out
 
 
 # MLA's attention part for decode and verify (model.MLA.attend with a cache, absorbed), model.MLA._absorbed's math in
 # fewer launches: W_UK folded into q_b_proj's weight (FUSE["q_absorb"]: one GEMM gives q_lat | q_pe, no bmm), the
-# q_a RMSNorm inside that GEMM (FUSE["q_norm"]), q_pe's rope inside the attention kernel (FUSE["q_rope"]). W_UV
-# multiplies each head's o_lat straight into the [B, T, H, v] rows o_proj reads (one bmm writing a strided view of
-# them); the reference's einsum leaves [H, B*T, v] to copy.
+# q_a RMSNorm inside that GEMM (FUSE["q_norm"]), q_pe's rope inside the attention kernel (FUSE["q_rope"]), W_UV
+# inside its merge (FUSE["uv_merge"]). Else W_UV multiplies each head's o_lat straight into the [B, T, H, v] rows
+# o_proj reads (one bmm writing a strided view of them); the reference's einsum leaves [H, B*T, v] to copy.
 def _q_absorbed(self) -> torch.Tensor:
     """q_b_proj's weight with W_UK folded into each head's nope rows: [H * (R+P), q_lora_rank], head h's rows W_UK[h]^T
     W_q_nope[h] (its q_lat) then W_q_pe[h]; made in fp32 from the two checkpoint tensors, kept until either changes."""
@@ -688,14 +710,17 @@ def _attend_cache(self, q_lat, q_pe, cache, start_pos, tree_mask, rope):
     [B, T, H, v]."""
     (B, T, H, R), v = q_lat.shape, self.v_dim
     prefix = start_pos if torch.is_tensor(start_pos) else torch.full((B,), start_pos, device=q_lat.device)
-    args = (q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)
-    if FUSE["q_rope"] and _mla_attention_fits(*args) and all(
-            t.shape == (B, T, q_pe.shape[-1]) and t.is_contiguous() and t.dtype == q_pe.dtype for t in rope):
-        o_lat = _mla_attention(*args, rope=rope)
-    else:
-        o_lat = _OPS["mla_attention"](q_lat, _OPS["rope"](q_pe, *rope), *args[2:])
-    o = torch.empty(B, T, H, v, dtype=o_lat.dtype, device=o_lat.device)
     w_uv = self.kv_b_proj.weight.view(H, self.nope + v, R)[:, self.nope:]                         # [H, v, R]
+    args = (q_lat, q_pe, cache, prefix, tree_mask, self.softmax_scale)
+    fits = _mla_attention_fits(*args)
+    if not (fits and FUSE["q_rope"] and all(
+            t.shape == (B, T, q_pe.shape[-1]) and t.is_contiguous() and t.dtype == q_pe.dtype for t in rope)):
+        q_pe, rope = _OPS["rope"](q_pe, *rope), None
+        args = (q_lat, q_pe, *args[2:])
+    if fits and FUSE["uv_merge"] and _pow2(v, 1) and w_uv.dtype == q_lat.dtype:
+        return _mla_attention(*args, rope=rope, w_uv=w_uv)
+    o_lat = _mla_attention(*args, rope=rope) if fits else _OPS["mla_attention"](*args)
+    o = torch.empty(B, T, H, v, dtype=o_lat.dtype, device=o_lat.device)
     torch.bmm(o_lat.reshape(B * T, H, R).transpose(0, 1), w_uv.transpose(1, 2), out=o.view(B * T, H, v).transpose(0, 1))
     return o
 
@@ -1955,33 +1980,6 @@ def commit_kv(kv_cache, start_pos, accepted, path_len):
     _commit_kv_kernel[(kv_cache.shape[0], B)](kv_cache, start, accepted.contiguous(), path_len.contiguous(), N,
                                               kv_cache.shape[3], *kv_cache.stride()[:3],
                                               BLOCK_C=min(1024, triton.next_power_of_2(kv_cache.shape[3])), num_warps=4)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The name `kernels` is also Hugging Face's package of hub kernels, which transformers imports when it loads
-# (`from kernels import ...` in transformers.integrations.hub_kernels). With the project root on sys.path that import
-# would find this file. The tests and `bench.py peer` load transformers through import_transformers() instead.
-
-def import_transformers():
-    """Import transformers with this file out of the way: the project root off sys.path and no `kernels` in
-    sys.modules while transformers binds Hugging Face's package, then this module takes its name back. Hub kernels
-    stay off (USE_HUB_KERNELS=0 unless set): transformers is our reference as plain PyTorch, and from_pretrained
-    would otherwise import more of that package by this module's name."""
-    import importlib
-    import sys
-    os.environ.setdefault("USE_HUB_KERNELS", "0")
-    if "transformers.integrations.hub_kernels" not in sys.modules:
-        root = os.path.dirname(os.path.abspath(__file__))
-        ours, path = sys.modules.pop("kernels", None), sys.path[:]
-        sys.path[:] = [p for p in path if os.path.abspath(p or os.curdir) != root]
-        try:
-            importlib.import_module("transformers.integrations.hub_kernels")
-        finally:
-            sys.path[:] = path
-            sys.modules.pop("kernels", None)
-            if ours is not None:
-                sys.modules["kernels"] = ours
-    return importlib.import_module("transformers")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """A fresh install: kernels.py shares its name with Hugging Face's `kernels` package, which transformers imports when
-it loads. The tests and `bench.py peer` import transformers through kernels.import_transformers(); these tests run it
+it loads. The tests and `bench.py peer` import transformers through bench.import_transformers(); these tests run it
 in a fresh process, as a user's would, with the package installed (transformers 5 requires it).
 
 Run: python -m pytest -q tests/test_install.py"""
@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = r'''
 import sys
 import kernels                                    # ours first, as every entry point imports it
-transformers = kernels.import_transformers()
+import bench
+transformers = bench.import_transformers()
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.integrations import hub_kernels
 import torch
