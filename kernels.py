@@ -637,7 +637,7 @@ def _merge_splits(o_part, lse_part, prefix_len, out, T: int, H: int, MIN_SPLIT: 
     BLOCK_R = min(R, max(16, 1 << (ATTN_MERGE["elements"] // SPLITS).bit_length() - 1))     # a power of two
     V = 0 if w_uv is None else w_uv.shape[1]
     BLOCK_V = min(V, ATTN_MERGE["BLOCK_V"]) if V else 1
-    BLOCK_R = min(BLOCK_R, ATTN_MERGE["elements"] // BLOCK_V) if V else BLOCK_R      # W_UV's tile: BLOCK_V x BLOCK_R
+    BLOCK_R = min(BLOCK_R, ATTN_MERGE["elements"] // (4 * BLOCK_V)) if V else BLOCK_R   # + W_UV's BLOCK_V x BLOCK_R
     _mla_merge_kernel[(B, T * H, V // BLOCK_V if V else R // BLOCK_R)](
         o_part, lse_part, prefix_len, out, out if w_uv is None else w_uv, w_uv.stride(0) if V else 0, T, H, num_splits,
         R=R, MIN_SPLIT=MIN_SPLIT, BLOCK_S=BLOCK_S, SPLITS=SPLITS, BLOCK_R=BLOCK_R, V=V, BLOCK_V=BLOCK_V,
