@@ -12,7 +12,7 @@ Invariants this file keeps:
     [n_layers, max_batch, max_seq_len, kv_lora_rank + qk_rope_head_dim] written in place, so
     verifying a tree (positions = start + depth, ancestor-only mask) needs no second model and
     committing the accepted path (verify.py) is one gather / scatter over all layers;
-  * each op or part (Transformer.blocks, MLA._absorbed, MLP.forward, Gate.forward, Experts.forward,
+  * each op or part (Transformer.blocks, MLA.attend, MLP.forward, Gate.forward, Experts.forward,
     MoE.local) marked `@kernels.fast` is written here in plain PyTorch and is the reference: on a
     GPU the switch in kernels.py may run Triton kernels instead, fused across the ops of a part (on
     the CPU a few run in fewer ops), which tests/test_kernels.py holds equal to it;
