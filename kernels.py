@@ -361,7 +361,8 @@ def silu_mul(g, u):
 @register("MLP.forward", fits=lambda self, x: _glue(x))
 def mlp(self, x):
     gate_up = _OPS["linear"](x, self.gate_up_proj.weight)                    # [..., 2I] gate | up
-    if FUSE["down_swiglu"] and _skinny_fits(gate_up, self.down_proj.weight):
+    if (FUSE["down_swiglu"] and _skinny_fits(gate_up, self.down_proj.weight)
+            and gate_up.numel() // gate_up.shape[-1] <= SKINNY_FUSED_MAX_M):
         return _skinny(gate_up, self.down_proj.weight, swiglu=True)
     gate, up = gate_up.chunk(2, dim=-1)
     h = silu_mul(gate, up) if _silu_mul_fits(gate, up) else F.silu(gate) * up
@@ -406,6 +407,7 @@ def mla_latent_to_cache(kv, weight, eps, cos, sin, cache, slots):
 # in order (the same bits every run; for a row, whatever the other rows of its tile). One launch.
 
 SKINNY_MAX_M = 64
+SKINNY_FUSED_MAX_M = 16       # rows up to which a norm or SwiGLU prologue compiles without spills (sm_90)
 SKINNY = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, max_split=8, waves=1)
 SKINNY_MAX_BLOCKS = 4096      # n blocks with a counter each
 
@@ -506,7 +508,8 @@ ATTN_BLOCKS = dict(BLOCK_Q=16, BLOCK_S=64, num_warps=4, num_stages=2)   # query 
 ATTN_SPLITS = dict(max_splits=256, min_split_len=128, waves=2)
 # from min_rows query rows (T x local heads): 64-row blocks, so fewer blocks re-read the cache through L2
 ATTN_WIDE = dict(min_rows=512, BLOCK_Q=64, BLOCK_S=64, num_warps=8, num_stages=2, waves=1)
-# the merge: BLOCK_R latent columns x every split ~ `elements`; times W_UV, BLOCK_V of its rows a program
+# the merge: BLOCK_R latent columns x every split ~ `elements`; times W_UV, BLOCK_V of its rows a program and an
+# eighth as many latent columns (both tiles in registers, no spills on sm_90)
 ATTN_MERGE = dict(elements=16384, num_warps=4, BLOCK_V=32)
 
 
@@ -637,7 +640,7 @@ def _merge_splits(o_part, lse_part, prefix_len, out, T: int, H: int, MIN_SPLIT: 
     BLOCK_R = min(R, max(16, 1 << (ATTN_MERGE["elements"] // SPLITS).bit_length() - 1))     # a power of two
     V = 0 if w_uv is None else w_uv.shape[1]
     BLOCK_V = min(V, ATTN_MERGE["BLOCK_V"]) if V else 1
-    BLOCK_R = min(BLOCK_R, ATTN_MERGE["elements"] // (4 * BLOCK_V)) if V else BLOCK_R   # + W_UV's BLOCK_V x BLOCK_R
+    BLOCK_R = max(16, min(BLOCK_R, ATTN_MERGE["elements"] // (8 * SPLITS))) if V else BLOCK_R
     _mla_merge_kernel[(B, T * H, V // BLOCK_V if V else R // BLOCK_R)](
         o_part, lse_part, prefix_len, out, out if w_uv is None else w_uv, w_uv.stride(0) if V else 0, T, H, num_splits,
         R=R, MIN_SPLIT=MIN_SPLIT, BLOCK_S=BLOCK_S, SPLITS=SPLITS, BLOCK_R=BLOCK_R, V=V, BLOCK_V=BLOCK_V,
@@ -732,7 +735,7 @@ def mla_attend(self, x, cos, sin, cache, start_pos, tree_mask, absorb, slots):
     q_a, kv = self.qkv_a_proj(x).split([self.q_lora_rank, R + self.rope_dim], -1)
     fold = FUSE["q_absorb"] and B * T <= SKINNY_MAX_M     # (more rows: its 2.5x FLOPs, not the bytes, would count)
     n, w = self.q_a_layernorm, (_q_absorbed(self) if fold else self.q_b_proj.weight)
-    if FUSE["q_norm"] and _skinny_fits(q_a, w) and n.weight.dtype == q_a.dtype:
+    if FUSE["q_norm"] and _skinny_fits(q_a, w) and B * T <= SKINNY_FUSED_MAX_M and n.weight.dtype == q_a.dtype:
         q = _skinny(q_a, w, norm=n)
     else:
         q = _OPS["linear"](n(q_a), w)
