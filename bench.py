@@ -1797,10 +1797,11 @@ def linear_table(device, dtype, bw: float) -> dict:
 
 
 def kernel_resources(arch: int = 90) -> dict:
-    """kernels --resources: the INT4 MoE kernels at their shipped settings compiled for sm_{arch} by Triton's own
-    compiler, no GPU needed (its ptxas and cuobjdump): registers, spilled stack and shared memory per program, and
-    whether the tensor-core path's dots became wgmma (HGMMA) or mma.sync (HMMA). Spills and wgmma decide much of a
-    kernel's speed before it runs."""
+    """kernels --resources: the INT4 MoE kernels at their shipped settings, and the skinny GEMM and the attention
+    merge with and without their fused prologues / W_UV (kernels.FUSE) at the sizes the launchers use them, compiled
+    for sm_{arch} by Triton's own compiler, no GPU needed (its ptxas and cuobjdump): registers, spilled stack and
+    shared memory per program, and whether the tensor-core path's dots became wgmma (HGMMA) or mma.sync (HMMA).
+    Spills and wgmma decide much of a kernel's speed before it runs."""
     import re
     import tempfile
 
@@ -1820,13 +1821,31 @@ def kernel_resources(arch: int = 90) -> dict:
               dict(SWIGLU=False, WEIGHTED=False, BLOCK_M=16)),
              ("tensor-core down", kernels._moe_mma_kernel, "down", kernels.MOE_MMA_BLOCKS, dict(mma, a_ptr="*fp32"),
               dict(SWIGLU=True, WEIGHTED=True, BLOCK_M=16))]
+    skinny = dict(x_ptr="*bf16", w_ptr="*bf16", norm_ptr="*bf16", part_ptr="*fp32", y_ptr="*bf16", count_ptr="*i32")
+    sk = {"": kernels.SKINNY}
+    for name, norm, swiglu in (("", False, False), (", norm prologue", True, False), (", SwiGLU prologue", False, True)):
+        cases.append((f"skinny GEMM{name}", kernels._skinny_kernel, "", sk, skinny,
+                      dict(SPLIT=4, BLOCK_M=kernels.SKINNY_FUSED_MAX_M, IEEE=False, NORM=norm, EPS=1e-6,
+                           SWIGLU=swiglu)))
+    merge = dict(o_part_ptr="*fp32", lse_ptr="*fp32", prefix_ptr="*i64", out_ptr="*bf16", w_ptr="*bf16")
+    m = {"": dict(num_warps=kernels.ATTN_MERGE["num_warps"], num_stages=None)}
+    for splits in (32, 256):                                     # ctx 4096 at TP8 decode; the most splits
+        block_r = min(512, max(16, 1 << (kernels.ATTN_MERGE["elements"] // splits).bit_length() - 1))
+        uv_r = max(16, min(block_r, kernels.ATTN_MERGE["elements"] // (8 * splits)))
+        for name, v, r in (("", 0, block_r), (" x W_UV", 128, uv_r)):
+            cases.append((f"merge{name}, {splits} splits", kernels._mla_merge_kernel, "", m, merge,
+                          dict(R=512, MIN_SPLIT=128, BLOCK_S=64, SPLITS=splits, BLOCK_R=r, V=v,
+                               BLOCK_V=kernels.ATTN_MERGE["BLOCK_V"] if v else 1)))
     rows = []
     for label, fn, key, blocks, sig, consts in cases:
         cfg = dict(blocks[key])
         options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-        consts = dict(consts, GROUP=32, PDL=False, **cfg, **({"PTX": True} if "PTX" in fn.arg_names else {}))
+        options = {k: v for k, v in options.items() if v is not None}
+        cfg = {k: v for k, v in cfg.items() if k in fn.arg_names}
+        consts = dict(consts, **cfg, **{k: v for k, v in (("GROUP", 32), ("PDL", False), ("PTX", True))
+                                        if k in fn.arg_names})
         params = [n for n in fn.arg_names if n not in consts]
-        sig = {n: sig[n] for n in params} | {n: "constexpr" for n in consts}
+        sig = {n: sig.get(n, "i32") for n in params} | {n: "constexpr" for n in consts}
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", arch, 64),
                            options=options)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
