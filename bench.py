@@ -1797,8 +1797,8 @@ def linear_table(device, dtype, bw: float) -> dict:
 
 
 def kernel_resources(arch: int = 90) -> dict:
-    """kernels --resources: the INT4 MoE kernels at their shipped settings, and the skinny GEMM and the attention
-    merge with and without their fused prologues / W_UV (kernels.FUSE) at the sizes the launchers use them, compiled
+    """kernels --resources: the INT4 MoE kernels at their shipped settings, and the skinny GEMM with and without its
+    norm prologue (kernels.FUSE["q_norm"]) at the rows the launcher uses it, compiled
     for sm_{arch} by Triton's own compiler, no GPU needed (its ptxas and cuobjdump): registers, spilled stack and
     shared memory per program, and whether the tensor-core path's dots became wgmma (HGMMA) or mma.sync (HMMA).
     Spills and wgmma decide much of a kernel's speed before it runs."""
@@ -1823,24 +1823,13 @@ def kernel_resources(arch: int = 90) -> dict:
               dict(SWIGLU=True, WEIGHTED=True, BLOCK_M=16))]
     skinny = dict(x_ptr="*bf16", w_ptr="*bf16", norm_ptr="*bf16", part_ptr="*fp32", y_ptr="*bf16", count_ptr="*i32")
     sk = {"": kernels.SKINNY}
-    for name, norm, swiglu in (("", False, False), (", norm prologue", True, False), (", SwiGLU prologue", False, True)):
+    for name, norm in (("", False), (", norm prologue", True)):
         cases.append((f"skinny GEMM{name}", kernels._skinny_kernel, "", sk, skinny,
-                      dict(SPLIT=4, BLOCK_M=kernels.SKINNY_FUSED_MAX_M, IEEE=False, NORM=norm, EPS=1e-6,
-                           SWIGLU=swiglu)))
-    merge = dict(o_part_ptr="*fp32", lse_ptr="*fp32", prefix_ptr="*i64", out_ptr="*bf16", w_ptr="*bf16")
-    m = {"": dict(num_warps=kernels.ATTN_MERGE["num_warps"], num_stages=None)}
-    for splits in (32, 256):                                     # ctx 4096 at TP8 decode; the most splits
-        block_r = min(512, max(16, 1 << (kernels.ATTN_MERGE["elements"] // splits).bit_length() - 1))
-        uv_r = max(16, min(block_r, kernels.ATTN_MERGE["elements"] // (8 * splits)))
-        for name, v, r in (("", 0, block_r), (" x W_UV", 128, uv_r)):
-            cases.append((f"merge{name}, {splits} splits", kernels._mla_merge_kernel, "", m, merge,
-                          dict(R=512, MIN_SPLIT=128, BLOCK_S=64, SPLITS=splits, BLOCK_R=r, V=v,
-                               BLOCK_V=kernels.ATTN_MERGE["BLOCK_V"] if v else 1)))
+                      dict(SPLIT=4, BLOCK_M=kernels.SKINNY_FUSED_MAX_M, IEEE=False, NORM=norm, EPS=1e-6)))
     rows = []
     for label, fn, key, blocks, sig, consts in cases:
         cfg = dict(blocks[key])
         options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-        options = {k: v for k, v in options.items() if v is not None}
         cfg = {k: v for k, v in cfg.items() if k in fn.arg_names}
         consts = dict(consts, **cfg, **{k: v for k, v in (("GROUP", 32), ("PDL", False), ("PTX", True))
                                         if k in fn.arg_names})

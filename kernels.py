@@ -4,7 +4,7 @@ reference), in fewer launches or fewer bytes.
 
     model.py   ops: linear, rms_norm, rope, mla_latent_to_cache, mla_attention
                parts: Transformer.blocks (each residual add fused into the next norm), MLA.attend (W_UK and the
-               q_a norm in the q_b GEMM, q_pe's rope and W_UV in attention), MLP.forward (SwiGLU in the down GEMM),
+               q_a norm in the q_b GEMM, q_pe's rope in attention), MLP.forward (one SwiGLU launch),
                Gate.forward (the router), Experts.forward (fused_moe_w4a16), MoE.local (router, routed and shared
                experts as one launcher); the fusions across op boundaries are switches in FUSE
     draft.py   ops: qkv_norm_rope, block_attention; part: Layer.forward
@@ -113,8 +113,6 @@ MASK_WORD_BITS = 64     # tree slots one int64 word of a tree-mask row holds (th
 FUSE = dict(q_absorb=True,      # MLA: W_UK folded into q_b_proj's weight, so one GEMM gives q_lat | q_pe (no bmm)
             q_norm=True,        # MLA: q_a_layernorm inside the q_b_proj GEMM, as it loads q_a
             q_rope=True,        # MLA: q_pe's rope inside the attention kernel, as it loads q_pe
-            uv_merge=True,      # MLA: W_UV inside the attention's merge, as it sums the splits (no output bmm)
-            down_swiglu=True,   # SwiGLU MLPs: silu(gate) * up inside the down_proj GEMM, as it loads gate | up
             route_prep=True)    # MoE: the route launch also packs x for the MoE GEMV
 
 
@@ -323,22 +321,16 @@ def rope(x, cos, sin, interleaved=True):
 # silu_mul: SwiGLU's silu(g) * u, each op's rounding kept. Grid: (row, block of columns). Reads g and u in place
 # (the two halves of one gate|up GEMM output). Reference: F.silu(g) * u.
 @triton.jit
-def _silu_times(g, u):
-    # F.silu(g) * u, each of the two ops rounded to g's dtype as PyTorch rounds it
-    gf = g.to(tl.float32)
-    a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    return (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-
-
-@triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
     _gdc(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)                                       # F.silu, rounded
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0)
-    tl.store(y_ptr + row * N + cols, _silu_times(g, u), mask=mask)
+    tl.store(y_ptr + row * N + cols, (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
 
 
 def _silu_mul_fits(g, u) -> bool:
@@ -357,14 +349,11 @@ def silu_mul(g, u):
 
 
 # A SwiGLU MLP's local part (model.MLP.forward: the dense MLP, the shared experts, the drafter's MLP): silu(gate) * up
-# inside the down GEMM, as it loads gate | up (FUSE["down_swiglu"]); else one launch between the GEMMs, not two.
+# is one launch between the two GEMMs, not two. (Inside the down GEMM's prologue it would save that launch but cost the
+# GEMM as much, off the critical path: the shared experts run beside the routed ones.)
 @register("MLP.forward", fits=lambda self, x: _glue(x))
 def mlp(self, x):
-    gate_up = _OPS["linear"](x, self.gate_up_proj.weight)                    # [..., 2I] gate | up
-    if (FUSE["down_swiglu"] and _skinny_fits(gate_up, self.down_proj.weight)
-            and gate_up.numel() // gate_up.shape[-1] <= SKINNY_FUSED_MAX_M):
-        return _skinny(gate_up, self.down_proj.weight, swiglu=True)
-    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = _OPS["linear"](x, self.gate_up_proj.weight).chunk(2, dim=-1)
     h = silu_mul(gate, up) if _silu_mul_fits(gate, up) else F.silu(gate) * up
     return _OPS["linear"](h, self.down_proj.weight)
 
@@ -407,7 +396,7 @@ def mla_latent_to_cache(kv, weight, eps, cos, sin, cache, slots):
 # in order (the same bits every run; for a row, whatever the other rows of its tile). One launch.
 
 SKINNY_MAX_M = 64
-SKINNY_FUSED_MAX_M = 16       # rows up to which a norm or SwiGLU prologue compiles without spills (sm_90)
+SKINNY_FUSED_MAX_M = 16       # rows up to which the norm prologue compiles without spills (sm_90)
 SKINNY = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, max_split=8, waves=1)
 SKINNY_MAX_BLOCKS = 4096      # n blocks with a counter each
 
@@ -415,8 +404,7 @@ SKINNY_MAX_BLOCKS = 4096      # n blocks with a counter each
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, norm_ptr, part_ptr, y_ptr, count_ptr, M, N, K, K_SPLIT, stride_x,
                    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IEEE: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, SWIGLU: tl.constexpr,
-                   PDL: tl.constexpr):
+                   IEEE: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, PDL: tl.constexpr):
     _gdc(PDL)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -434,8 +422,6 @@ def _skinny_kernel(x_ptr, w_ptr, norm_ptr, part_ptr, y_ptr, count_ptr, M, N, K, 
     for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
-        if SWIGLU:              # x holds gate | up [M, 2K]: the GEMM's input is silu(gate) * up
-            x = _silu_times(x, tl.load(x_rows + K + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0))
         if NORM:                # rms_norm(x) * weight, rounded as model.rms_norm rounds it
             x = _scale(tl.load(norm_ptr + k, mask=k < K, other=0.0)[None, :],
                        (x.to(tl.float32) * rstd[:, None]).to(x.dtype), x.dtype)
@@ -477,9 +463,8 @@ def linear(x, weight):
     return _skinny(x, weight)
 
 
-def _skinny(x, weight, norm=None, swiglu: bool = False):
-    """x [..., K] @ weight [N, K]^T -> [..., N]; norm: a model.RMSNorm applied to x as the GEMM loads it; swiglu: x is
-    gate | up [..., 2K] and the GEMM's input silu(gate) * up."""
+def _skinny(x, weight, norm=None):
+    """x [..., K] @ weight [N, K]^T -> [..., N]; norm: a model.RMSNorm applied to x as the GEMM loads it."""
     (N, K), M = weight.shape, x.numel() // x.shape[-1]
     x2 = x.reshape(M, x.shape[-1])              # a view for contiguous x and row-strided x
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
@@ -491,7 +476,7 @@ def _skinny(x, weight, norm=None, swiglu: bool = False):
     _skinny_kernel[(triton.cdiv(N, SKINNY["BLOCK_N"]), split)](
         x2, weight, weight if norm is None else norm.weight, part, y, _stream_counters(x.device), M, N, K, k_split,
         x2.stride(0), SPLIT=split, BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32,
-        NORM=norm is not None, EPS=0.0 if norm is None else float(norm.eps), SWIGLU=swiglu, **cfg, **_pdl(x.device))
+        NORM=norm is not None, EPS=0.0 if norm is None else float(norm.eps), **cfg, **_pdl(x.device))
     return y
 
 
@@ -508,9 +493,7 @@ ATTN_BLOCKS = dict(BLOCK_Q=16, BLOCK_S=64, num_warps=4, num_stages=2)   # query 
 ATTN_SPLITS = dict(max_splits=256, min_split_len=128, waves=2)
 # from min_rows query rows (T x local heads): 64-row blocks, so fewer blocks re-read the cache through L2
 ATTN_WIDE = dict(min_rows=512, BLOCK_Q=64, BLOCK_S=64, num_warps=8, num_stages=2, waves=1)
-# the merge: BLOCK_R latent columns x every split ~ `elements`; times W_UV, BLOCK_V of its rows a program and an
-# eighth as many latent columns (both tiles in registers, no spills on sm_90)
-ATTN_MERGE = dict(elements=16384, num_warps=4, BLOCK_V=32)
+ATTN_MERGE = dict(elements=16384, num_warps=4)   # the merge: BLOCK_R latent columns x every split ~ `elements`
 
 
 @triton.jit
@@ -595,14 +578,12 @@ def _mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, prefix_ptr, mask_ptr, o_pt
 
 
 @triton.jit
-def _mla_merge_kernel(o_part_ptr, lse_ptr, prefix_ptr, out_ptr, w_ptr, stride_wh, T, H, NUM_SPLITS, R: tl.constexpr,
-                      MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
-                      V: tl.constexpr, BLOCK_V: tl.constexpr):
-    # Program (b, row, block): o = sum_i exp(lse_i - M) o_i / sum_i exp(lse_i - M), M = max_i lse_i, over the
-    # splits i that stage 1 wrote (all of them loaded at once: SPLITS = next power of two >= NUM_SPLITS): columns
-    # block*BLOCK_R.. of o; or (V > 0) rows block*BLOCK_V.. of W_UV[h] o, o rounded to out's dtype first as the
-    # attention output is, R in BLOCK_R slices.
+def _mla_merge_kernel(o_part_ptr, lse_ptr, prefix_ptr, out_ptr, T, H, NUM_SPLITS, R: tl.constexpr,
+                      MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
+    # Program (b, row, r-block): out = sum_i exp(lse_i - M) o_i / sum_i exp(lse_i - M), M = max_i lse_i, over the
+    # splits i that stage 1 wrote (all of them loaded at once: SPLITS = next power of two >= NUM_SPLITS).
     b, row = tl.program_id(0), tl.program_id(1)
+    offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     L = tl.load(prefix_ptr + b).to(tl.int32) + T
     split = tl.arange(0, SPLITS)
     written = split < tl.cdiv(L, _split_len(L, NUM_SPLITS, MIN_SPLIT, BLOCK_S))
@@ -610,41 +591,24 @@ def _mla_merge_kernel(o_part_ptr, lse_ptr, prefix_ptr, out_ptr, w_ptr, stride_wh
     lse = tl.load(lse_ptr + part, mask=written, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))                      # 0 for unwritten / empty splits
+    o = tl.load(o_part_ptr + part[:, None].to(tl.int64) * R + offs_r[None, :], mask=written[:, None], other=0.0)
     l = tl.sum(w, 0)
-    l = tl.where(l > 0, l, 1.0)                                                 # no visible key -> zeros
-    if V == 0:
-        offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-        o = tl.load(o_part_ptr + part[:, None].to(tl.int64) * R + offs_r[None, :], mask=written[:, None], other=0.0)
-        tl.store(out_ptr + (b * T * H + row) * R + offs_r, (tl.sum(o * w[:, None], 0) / l).to(out_ptr.dtype.element_ty))
-    else:
-        offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-        acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
-        for r0 in tl.static_range(0, R, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            o = tl.load(o_part_ptr + part[:, None].to(tl.int64) * R + offs_r[None, :], mask=written[:, None], other=0.0)
-            o = (tl.sum(o * w[:, None], 0) / l).to(out_ptr.dtype.element_ty).to(tl.float32)          # [BLOCK_R]
-            w_uv = tl.load(w_ptr + (row % H) * stride_wh + offs_v[:, None] * R + offs_r[None, :])   # [BLOCK_V, BLOCK_R]
-            acc += tl.sum(w_uv.to(tl.float32) * o[None, :], 1)
-        tl.store(out_ptr + (b * T * H + row) * V + offs_v, acc.to(out_ptr.dtype.element_ty))
+    out = tl.sum(o * w[:, None], 0) / tl.where(l > 0, l, 1.0)                  # no visible key -> zeros
+    tl.store(out_ptr + (b * T * H + row) * R + offs_r, out.to(out_ptr.dtype.element_ty))
 
 
 def _num_splits(S: int, max_splits: int, min_split_len: int, waves: float, programs: int, device) -> int:
     # splits of S cache keys for ~`waves` waves of `programs` programs each, at most one per min_split_len keys
     return max(1, min(max_splits, triton.cdiv(S, min_split_len), triton.cdiv(int(waves * _sm_count(device)), programs)))
 
-def _merge_splits(o_part, lse_part, prefix_len, out, T: int, H: int, MIN_SPLIT: int, BLOCK_S: int, w_uv=None) -> None:
-    # stage 2 of the split attentions: o_part [B, NS, T*H, R] fp32 and lse_part [B, NS, T*H] -> out [B, T, H, R]; or,
-    # w_uv [H, v, R] (rows strided by head, R contiguous) given, out [B, T, H, v] = each head's W_UV times its row
+def _merge_splits(o_part, lse_part, prefix_len, out, T: int, H: int, MIN_SPLIT: int, BLOCK_S: int) -> None:
+    # stage 2 of the split attentions: o_part [B, NS, T*H, R] fp32 and lse_part [B, NS, T*H] -> out [B, T, H, R]
     B, num_splits, _, R = o_part.shape
     SPLITS = triton.next_power_of_2(num_splits)
     BLOCK_R = min(R, max(16, 1 << (ATTN_MERGE["elements"] // SPLITS).bit_length() - 1))     # a power of two
-    V = 0 if w_uv is None else w_uv.shape[1]
-    BLOCK_V = min(V, ATTN_MERGE["BLOCK_V"]) if V else 1
-    BLOCK_R = max(16, min(BLOCK_R, ATTN_MERGE["elements"] // (8 * SPLITS))) if V else BLOCK_R
-    _mla_merge_kernel[(B, T * H, V // BLOCK_V if V else R // BLOCK_R)](
-        o_part, lse_part, prefix_len, out, out if w_uv is None else w_uv, w_uv.stride(0) if V else 0, T, H, num_splits,
-        R=R, MIN_SPLIT=MIN_SPLIT, BLOCK_S=BLOCK_S, SPLITS=SPLITS, BLOCK_R=BLOCK_R, V=V, BLOCK_V=BLOCK_V,
-        num_warps=ATTN_MERGE["num_warps"])
+    _mla_merge_kernel[(B, T * H, R // BLOCK_R)](
+        o_part, lse_part, prefix_len, out, T, H, num_splits, R=R, MIN_SPLIT=MIN_SPLIT, BLOCK_S=BLOCK_S,
+        SPLITS=SPLITS, BLOCK_R=BLOCK_R, num_warps=ATTN_MERGE["num_warps"])
 
 
 ATTN_MAX_T = MASK_WORD_BITS      # each query row's tree-mask row is packed into one word
@@ -665,13 +629,12 @@ def mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale):
 
 
 @torch.compiler.disable
-def _mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, rope=None, w_uv=None):
-    """rope: (cos, sin) [B, T, P] contiguous: q_pe is not rotated yet; the kernel rotates it as it loads it. w_uv:
-    [H, v, R] (R contiguous): the output is W_UV times each head's, [B, T, H, v], made as the merge sums the splits."""
+def _mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, rope=None):
+    """rope: (cos, sin) [B, T, P] contiguous: q_pe is not rotated yet; the kernel rotates it as it loads it."""
     (B, T, H, R), P = q_lat.shape, q_pe.shape[-1]
     prefix_len = prefix_len.contiguous()
     cos, sin = rope if rope is not None else (q_pe, q_pe)
-    out = _empty((B, T, H, R if w_uv is None else w_uv.shape[1]), q_lat.dtype, q_lat.device)
+    out = _empty(q_lat.shape, q_lat.dtype, q_lat.device)
     wide = T * H >= ATTN_WIDE["min_rows"]
     cfg = {k: ATTN_WIDE[k] for k in ATTN_BLOCKS} if wide else ATTN_BLOCKS
     waves = ATTN_WIDE["waves"] if wide else ATTN_SPLITS["waves"]
@@ -685,15 +648,16 @@ def _mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, rop
         softmax_scale, T, H, num_splits, cache.stride(0), cache.stride(1), *q_lat.stride()[:3], *q_pe.stride()[:3],
         *tree_mask.stride()[:2], R=R, P=P, MIN_SPLIT=MIN_SPLIT, TREE=max(16, triton.next_power_of_2(T)),
         ROPE=rope is not None, **cfg)
-    _merge_splits(o_part, lse_part, prefix_len, out, T, H, MIN_SPLIT, BLOCK_S, w_uv)
+    _merge_splits(o_part, lse_part, prefix_len, out, T, H, MIN_SPLIT, BLOCK_S)
     return out
 
 
 # MLA's attention part for decode and verify (model.MLA.attend with a cache, absorbed), model.MLA._absorbed's math in
 # fewer launches: W_UK folded into q_b_proj's weight (FUSE["q_absorb"]: one GEMM gives q_lat | q_pe, no bmm), the
-# q_a RMSNorm inside that GEMM (FUSE["q_norm"]), q_pe's rope inside the attention kernel (FUSE["q_rope"]), W_UV
-# inside its merge (FUSE["uv_merge"]). Else W_UV multiplies each head's o_lat straight into the [B, T, H, v] rows
-# o_proj reads (one bmm writing a strided view of them); the reference's einsum leaves [H, B*T, v] to copy.
+# q_a RMSNorm inside that GEMM (FUSE["q_norm"]), q_pe's rope inside the attention kernel (FUSE["q_rope"]). W_UV
+# multiplies each head's o_lat straight into the [B, T, H, v] rows o_proj reads (one bmm writing a strided view of
+# them); the reference's einsum leaves [H, B*T, v] to copy. (W_UV inside the merge would save the bmm, but a merge
+# program per row and v block would re-read every split's latent row: slower.)
 def _q_absorbed(self) -> torch.Tensor:
     """q_b_proj's weight with W_UK folded into each head's nope rows: [H * (R+P), q_lora_rank], head h's rows W_UK[h]^T
     W_q_nope[h] (its q_lat) then W_q_pe[h]; made in fp32 from the two checkpoint tensors, kept until either changes."""
@@ -720,8 +684,6 @@ def _attend_cache(self, q_lat, q_pe, cache, start_pos, tree_mask, rope):
             t.shape == (B, T, q_pe.shape[-1]) and t.is_contiguous() and t.dtype == q_pe.dtype for t in rope)):
         q_pe, rope = _OPS["rope"](q_pe, *rope), None
         args = (q_lat, q_pe, *args[2:])
-    if fits and FUSE["uv_merge"] and _pow2(v, 1) and w_uv.dtype == q_lat.dtype:
-        return _mla_attention(*args, rope=rope, w_uv=w_uv)
     o_lat = _mla_attention(*args, rope=rope) if fits else _OPS["mla_attention"](*args)
     o = torch.empty(B, T, H, v, dtype=o_lat.dtype, device=o_lat.device)
     torch.bmm(o_lat.reshape(B * T, H, R).transpose(0, 1), w_uv.transpose(1, 2), out=o.view(B * T, H, v).transpose(0, 1))

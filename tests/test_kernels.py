@@ -475,8 +475,8 @@ def part_inputs(name: str, dtype, T_: int = 5):
 def test_parts_equal_their_plain_forward(name, dtype, monkeypatch):
     """Each part's launcher == its plain forward as written: the layer stack (each residual add deferred into the next
     norm; the tapped layers' outputs), MLA's attention (W_UK folded into the q_b weight, the q_a norm inside that
-    GEMM, q_pe's rope and W_UV inside the attention kernels, each op on its own when unfused; the cache rows it writes
-    too), the SwiGLU MLP (SwiGLU inside the down GEMM, or one launch of its own), the drafter's
+    GEMM, q_pe's rope inside the attention kernel, each op on its own when unfused; the cache rows it writes too),
+    the SwiGLU MLP (one SwiGLU launch), the drafter's
     layer (its middle add and norm in one launch). The attention part and the MLP run every kernel they launch, under
     the interpreter too; fused, the ops they fold in are never called."""
     monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
@@ -488,9 +488,8 @@ def test_parts_equal_their_plain_forward(name, dtype, monkeypatch):
             raise AssertionError("a fused op ran on its own")
         monkeypatch.setitem(kernels._OPS, "rope", refuse)
         monkeypatch.setitem(kernels._OPS, "mla_attention", refuse)
-        if dtype != torch.float32:        # (fp32 GEMMs are F.linear's: the norm and SwiGLU stay on their own)
+        if dtype != torch.float32:        # (fp32 GEMMs are F.linear's: the norm stays on its own)
             monkeypatch.setitem(kernels._OPS, "rms_norm", refuse)
-            monkeypatch.setattr(kernels, "silu_mul", refuse)
     module, args = part_inputs(name, dtype)
     ref = functools.reduce(getattr, name.split("."), M if name != "Layer.forward" else Dr).ref
     fits, run = kernels._KERNELS[name]
@@ -678,10 +677,10 @@ def test_linear_kernel(M_, N, K, dtype, monkeypatch):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [d for d in KERNEL_DTYPES if KERNEL_DEVICE == "cpu" or d != torch.float32], ids=str)
 @pytest.mark.parametrize("M_, N, K", [(1, 96, 256), (9, 200, 384), (33, 64, 1000)])
-def test_linear_kernel_fuses_the_norm_or_the_swiglu_before_it(M_, N, K, dtype, monkeypatch):
-    """The skinny GEMM with its input's RMSNorm (the q_a norm before q_b_proj) or SwiGLU (before down_proj) done as
-    it loads each tile == the plain ops, then F.linear: K split over programs, each taking a row's statistics over all
-    of K; the input read in place (a slice of the q_a | kv_a GEMM's rows; gate | up as one GEMM made them)."""
+def test_linear_kernel_fuses_the_norm_before_it(M_, N, K, dtype, monkeypatch):
+    """The skinny GEMM with its input's RMSNorm (the q_a norm before q_b_proj) done as it loads each tile == the norm,
+    then F.linear: K split over programs, each taking a row's statistics over all of K; the input read in place (a
+    slice of the q_a | kv_a GEMM's rows)."""
     monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
     g = torch.Generator().manual_seed(M_ + N + K)
     rnd = lambda *shape: (torch.randn(*shape, generator=g) * 3).to(dtype).to(KERNEL_DEVICE)
@@ -693,10 +692,6 @@ def test_linear_kernel_fuses_the_norm_or_the_swiglu_before_it(M_, N, K, dtype, m
     assert kernels._skinny_split(N, K, KERNEL_DEVICE) > 1
     want = F.linear(M.rms_norm.ref(x, norm.weight, norm.eps), w)
     assert_close(kernels._skinny(x, w, norm=norm), want, TOL[dtype], f"norm, linear {M_}x{N}x{K} {dtype}")
-    gate_up = rnd(M_, 2 * K)
-    gate, up = gate_up.chunk(2, dim=-1)
-    want = F.linear(F.silu(gate) * up, w)
-    assert_close(kernels._skinny(gate_up, w, swiglu=True), want, TOL[dtype], f"swiglu, linear {M_}x{N}x{K} {dtype}")
 
 
 @needs_kernels
@@ -757,14 +752,12 @@ ATTN_CASES = [  # T, H, prefixes (B = len), mask kind, tiles: "default" or "smal
 def test_mla_attention_kernel(T_, H, prefixes, kind, tiles, dtype, monkeypatch):
     """Split + merge attention == the reference, every element of its poisoned output written; the same bits from
     the mask packed once per forward (what model.py passes) and from q_lat as the absorbed-query einsum leaves it
-    (strided, read in place). The attention part's variants: q_pe rotated as it is loaded; the output times each
-    head's W_UV as the merge sums the splits."""
+    (strided, read in place). The attention part's variant: q_pe rotated as it is loaded."""
     monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
     if tiles == "small":
         monkeypatch.setattr(kernels, "ATTN_BLOCKS", dict(BLOCK_Q=16, BLOCK_S=16, num_warps=4, num_stages=2))
         monkeypatch.setattr(kernels, "ATTN_SPLITS", dict(kernels.ATTN_SPLITS, max_splits=8, min_split_len=32))
-        # 16 columns: two blocks; with W_UV, 8 of its rows (two blocks of v = 16) over 16 columns at a time
-        monkeypatch.setattr(kernels, "ATTN_MERGE", dict(elements=128, num_warps=1, BLOCK_V=8))
+        monkeypatch.setattr(kernels, "ATTN_MERGE", dict(elements=128, num_warps=1))   # 16 columns: two blocks
     if tiles == "wide":
         monkeypatch.setattr(kernels, "ATTN_WIDE", dict(kernels.ATTN_WIDE, min_rows=0, BLOCK_S=16, waves=0.5))
         monkeypatch.setattr(kernels, "ATTN_SPLITS", dict(kernels.ATTN_SPLITS, max_splits=8, min_split_len=32))
@@ -787,13 +780,6 @@ def test_mla_attention_kernel(T_, H, prefixes, kind, tiles, dtype, monkeypatch):
     ref = M.mla_attention.ref(args[0], M.rope.ref(q_pe, cos, sin), *args[2:])
     assert_close(kernels._mla_attention(args[0], q_pe, *args[2:], rope=(cos, sin)), ref, TOL[dtype],
                  f"attn with rope T={T_} H={H} {dtype}")
-    # W_UV [H, v, R] as a slice of kv_b_proj's rows (strided by head): the output rounded as the attention's, then
-    # times W_UV
-    w_uv = (torch.randn(H, 8 + 16, 32, generator=g) / 32 ** 0.5).to(dtype).to(KERNEL_DEVICE)[:, 8:]
-    want = torch.einsum("bthr,hdr->bthd", out, w_uv)
-    got = kernels._mla_attention(*args, w_uv=w_uv)
-    assert got.shape == want.shape and got.dtype == dtype
-    assert_close(got, want, TOL[dtype], f"attn, W_UV in the merge T={T_} H={H} {dtype}")
 
 
 @needs_kernels
@@ -1124,31 +1110,30 @@ class MatmulLaunches(torch.utils._python_dispatch.TorchDispatchMode):
 
 @needs_kernels
 def test_moe_layer_launches(monkeypatch):
-    """A K2.6-shaped MoE layer's decode step (bench.layer_step: per-rank TP8 shapes, shrunk) launches 16 kernels, all
-    Triton (14 in order, the shared experts' two beside them), and each fusion of kernels.FUSE saves one launch: off,
-    the step launches one more, the kernel it folds in (absorbed MLA's bmm for W_UK or W_UV)."""
+    """A K2.6-shaped MoE layer's decode step (bench.layer_step: per-rank TP8 shapes, shrunk) launches 18 kernels (17
+    Triton, absorbed MLA's W_UV bmm; 15 in order, the shared experts' three beside them), and each fusion of
+    kernels.FUSE saves one launch: off, the step launches one more, the kernel it folds in (for W_UK: a bmm)."""
     import bench
     monkeypatch.setattr(kernels, "_gpu", lambda t: True)                   # (the interpreter's CPU tensors)
     args, block = bench.build_block(bench.k26_text_config("tiny"), 1, 8, KERNEL_DEVICE, torch.float16, 0)
     s = bench.step_inputs(args, 1, 64, "random", KERNEL_DEVICE, torch.float16, 0)
     cache = torch.randn(1, 65, args.kv_lora_rank + args.qk_rope_head_dim).half().to(KERNEL_DEVICE)
     step = bench.layer_step(block, s, cache)
-    folded = dict(q_absorb="aten.bmm", q_norm="_rms_norm_kernel", q_rope="_rope_kernel", uv_merge="aten.bmm",
-                  down_swiglu="_silu_mul_kernel", route_prep="_moe_prep_f16")
+    folded = dict(q_absorb="aten.bmm", q_norm="_rms_norm_kernel", q_rope="_rope_kernel", route_prep="_moe_prep_f16")
     assert set(folded) == set(kernels.FUSE)
     with torch.no_grad():
         step()
         names = count_triton_launches(monkeypatch)
         with MatmulLaunches(names):
             step()
-        assert len(names) == 16 and not any(n.startswith("aten.") for n in names), names
+        assert len(names) == 18 and names.count("aten.bmm") == 1, names
         for fusion, kernel in folded.items():
             names.clear()
             monkeypatch.setitem(kernels.FUSE, fusion, False)
             with MatmulLaunches(names):
                 step()
             monkeypatch.setitem(kernels.FUSE, fusion, True)
-            assert len(names) == 17 and kernel in names, (fusion, names)
+            assert len(names) == 19 and kernel in names, (fusion, names)
 
 
 def test_moe_part_stream_order(monkeypatch):
