@@ -1798,10 +1798,10 @@ def linear_table(device, dtype, bw: float) -> dict:
 
 def kernel_resources(arch: int = 90) -> dict:
     """kernels --resources: the INT4 MoE kernels at their shipped settings, and the skinny GEMM with and without its
-    norm prologue (kernels.FUSE["q_norm"]) at the rows the launcher uses it, compiled
-    for sm_{arch} by Triton's own compiler, no GPU needed (its ptxas and cuobjdump): registers, spilled stack and
-    shared memory per program, and whether the tensor-core path's dots became wgmma (HGMMA) or mma.sync (HMMA).
-    Spills and wgmma decide much of a kernel's speed before it runs."""
+    norm prologue (kernels.FUSE["q_norm"]) at the rows the launcher uses it, compiled for sm_{arch} by Triton's own
+    compiler, no GPU needed (its ptxas and cuobjdump): registers, spilled stack and shared memory per program, and
+    whether the tensor-core path's dots became wgmma (HGMMA) or mma.sync (HMMA). Spills and wgmma decide much of a
+    kernel's speed before it runs."""
     import re
     import tempfile
 

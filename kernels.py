@@ -622,12 +622,12 @@ def _mla_attention_fits(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale
             and tree_mask.dtype == torch.bool and T <= ATTN_MAX_T and tree_mask.stride(-1) == 1)
 
 
-# opaque to torch.compile: inductor would rebuild the kernels from their source; a graph break instead
 @register("mla_attention", fits=_mla_attention_fits)
 def mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale):
     return _mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale)
 
 
+# opaque to torch.compile: inductor would rebuild the kernels from their source; a graph break instead
 @torch.compiler.disable
 def _mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, rope=None):
     """rope: (cos, sin) [B, T, P] contiguous: q_pe is not rotated yet; the kernel rotates it as it loads it."""
@@ -1473,8 +1473,8 @@ def _add_norm(x, r, norm):
 
 # The layer stack (model.Transformer.blocks): each block's last residual add waits for the next block's input norm
 # (the last block's, for the final norm), so every add meets a norm in one add_rms_norm launch (2 a layer, not 2 adds
-# and 2 norms). --debug (a check after
-# each layer) and torch.compile (inductor fuses add and norm itself) run the plain stack.
+# and 2 norms). --debug (a check after each layer) and torch.compile (inductor fuses add and norm itself) run the plain
+# stack.
 def deferred_block(layer, h, r, cos, sin, cache, start_pos, tree_mask, absorb, slots):
     """model.Block.forward on h + r (r: the previous block's MLP output, not yet added; None in layer 0) -> (h', r'),
     the block's output h' + r'."""

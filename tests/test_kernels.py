@@ -471,19 +471,19 @@ def part_inputs(name: str, dtype, T_: int = 5):
 @needs_kernels
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("name", ["Transformer.blocks", "MLA.attend", "MLA.attend unfused", "MLP.forward",
-                                  "MLP.forward unfused", "Layer.forward"])
+                                  "Layer.forward"])
 def test_parts_equal_their_plain_forward(name, dtype, monkeypatch):
     """Each part's launcher == its plain forward as written: the layer stack (each residual add deferred into the next
     norm; the tapped layers' outputs), MLA's attention (W_UK folded into the q_b weight, the q_a norm inside that
     GEMM, q_pe's rope inside the attention kernel, each op on its own when unfused; the cache rows it writes too),
-    the SwiGLU MLP (one SwiGLU launch), the drafter's
-    layer (its middle add and norm in one launch). The attention part and the MLP run every kernel they launch, under
-    the interpreter too; fused, the ops they fold in are never called."""
+    the SwiGLU MLP (one SwiGLU launch), the drafter's layer (its middle add and norm in one launch). The attention
+    part and the MLP run every kernel they launch, under the interpreter too; fused, the attention part never calls
+    the ops it folds in."""
     monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
     name, unfused = name.split()[0], name.endswith("unfused")
     if unfused:
         monkeypatch.setattr(kernels, "FUSE", dict.fromkeys(kernels.FUSE, False))
-    elif name in ("MLA.attend", "MLP.forward"):
+    elif name == "MLA.attend":
         def refuse(*args, **kw):
             raise AssertionError("a fused op ran on its own")
         monkeypatch.setitem(kernels._OPS, "rope", refuse)
