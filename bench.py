@@ -1811,16 +1811,16 @@ def kernel_resources(arch: int = 90) -> dict:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     gemv = dict(xk_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", s_ptr="*bf16", pair_ptr="*i64", slots_ptr="*i64")
     mma = dict(a_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", topk_w_ptr="*fp32", out_ptr="*fp32", pair_ptr="*i64",
-               slots_ptr="*i64", N="i32", KW="i32", A_STRIDE="i32", ROWS_PER="i32")
+               slots_ptr="*i64", N="i32", K="i32", A_STRIDE="i32", ROWS_PER="i32")
     cases = [("GEMV gate | up", kernels._moe_gate_up_gemv, "gate_up", kernels.MOE_GEMV_BLOCKS,
               dict(gemv, gu_ptr="*fp32", I="i32", K="i32", P="i32", DW="i32", DG="i32"), dict(SPLIT_K=2, EVEN=True)),
              ("GEMV down", kernels._moe_down_gemv, "down", kernels.MOE_GEMV_BLOCKS,
               dict(gemv, hk_ptr="*i32", hs_ptr="*fp32", topk_w_ptr="*fp32", y_ptr="*fp32", D="i32", IW="i32",
                    IG="i32"), dict(EVEN=True)),
              ("tensor-core gate | up", kernels._moe_mma_kernel, "gate_up", kernels.MOE_MMA_BLOCKS, mma,
-              dict(SWIGLU=False, WEIGHTED=False, BLOCK_M=16)),
-             ("tensor-core down", kernels._moe_mma_kernel, "down", kernels.MOE_MMA_BLOCKS, dict(mma, a_ptr="*fp32"),
-              dict(SWIGLU=True, WEIGHTED=True, BLOCK_M=16))]
+              dict(GATE_UP=True, BLOCK_M=16)),
+             ("tensor-core down", kernels._moe_mma_kernel, "down", kernels.MOE_MMA_BLOCKS, mma,
+              dict(GATE_UP=False, BLOCK_M=16))]
     skinny = dict(x_ptr="*bf16", w_ptr="*bf16", norm_ptr="*bf16", part_ptr="*fp32", y_ptr="*bf16", count_ptr="*i32")
     sk = {"": kernels.SKINNY}
     for name, norm in (("", False), (", norm prologue", True)):
@@ -1891,8 +1891,8 @@ def kernel_sweep(device, dtype) -> dict:
         w, ids = torch.rand(T, E, device=device).topk(K, dim=-1)
         moe[(256, T)] = (lambda a: lambda: kernels.fused_moe_w4a16(*a))((x, ids, w.float().contiguous(), *weights))
     print0(f"\nINT4 MoE (tensor-core path), us at (I, T) = {list(moe)}; defaults {kernels.MOE_MMA_BLOCKS}")
-    grid = [dict(BLOCK_N=n, BLOCK_W=w, num_warps=nw, num_stages=st)
-            for n in (32, 64, 128) for w in (16, 32) for nw in (4, 8) for st in (2, 3, 4)]
+    grid = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=nw, num_stages=st)
+            for n in (64, 128) for k in (64, 128, 256) for nw in (4, 8) for st in (2, 3, 4)]
     min_pairs, kernels.MOE_MMA_MIN_PAIRS = kernels.MOE_MMA_MIN_PAIRS, 0
     try:
         run(kernels.MOE_MMA_BLOCKS, "gate_up", grid, moe)

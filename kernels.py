@@ -911,16 +911,16 @@ def router(self, x):
 # sums the slices, applies SwiGLU, packs h for stage 2 (down, x routing weight).
 # Many pairs (MOE_MMA_MIN_PAIRS on: batches, prefill) and fp32 activations: one grouped W4A16 kernel, launched for
 # gate | up and for down: each weight tile is dequantized in registers once and meets all its expert's pairs
-# (BLOCK_M at a time) in tensor-core dots; the down launch forms SwiGLU(gate, up) as it loads its A.
+# (BLOCK_M at a time) in tensor-core dots; the gate | up launch stores SwiGLU(gate, up), in the activations' dtype.
 # The interpreter (CPU tests) cannot run PTX: there the GEMV uses _dequant_dot_portable, the same data in plain
 # Triton. Per-pair buffers, no atomics: the same bits each run.
 
 MOE_GEMV_BLOCKS = dict(gate_up=dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=2),    # BLOCK_W int32 words
                        down=dict(BLOCK_N=64, BLOCK_W=64, num_warps=4, num_stages=2))        # = 8 * BLOCK_W columns
 MOE_GEMV_MIN_SPLIT_K = 2   # stage 1's least split over D at T > 1 (verify); decode keeps _split_k's choice
-MOE_MMA_BLOCKS = dict(gate_up=dict(BLOCK_N=64, BLOCK_W=16, num_warps=4, num_stages=3),   # the tensor-core path:
-                      down=dict(BLOCK_N=64, BLOCK_W=16, num_warps=4, num_stages=3))      # BLOCK_W int32 words
-MOE_MMA_MIN_PAIRS = 513    # from this many (token, expert) pairs on, the tensor-core path (16-bit activations)
+MOE_MMA_BLOCKS = dict(gate_up=dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),   # the tensor-core path:
+                      down=dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3))      # BLOCK_K columns
+MOE_MMA_MIN_PAIRS = 2560   # from this many (token, expert) pairs on, the tensor-core path (16-bit activations)
 MOE_MAX_SPLIT_K = 8
 MOE_SORT_MAX_PAIRS = 1024  # up to here the pairs are sorted by one program (_moe_sort_kernel); prefill: torch.sort
 MOE_PTX = not INTERPRETED and torch.version.hip is None                   # PTX only on NVIDIA hardware
@@ -1187,63 +1187,59 @@ def _moe_down_gemv(hk_ptr, hs_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, sl
 # --- many rows per expert (batches, prefill) and fp32 activations: tensor-core tiles ---
 
 @triton.jit
-def _int4_plane(words, s, i: tl.constexpr, dtype: tl.constexpr):
-    # nibble i of each word [BN, BW] -> the weights of columns 8w + i, times their group scales s [BN, BW] (fp32):
-    # one rounding to the activations' dtype, as the reference's dequantization. Taking the columns of a tile as 8
-    # planes of stride 8 (A read at the same columns) needs no shuffle of registers: a dot sums in any order.
-    q = ((words >> (4 * i)) & 0xF) - 8
-    return (q.to(tl.float32) * s).to(dtype)
+def _w4_tile(w_rows, s_rows, k0, K, n_mask, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    # Columns k0 .. k0 + BLOCK_K of W's rows (pointers w_rows / s_rows [BN, 1]) -> [BN, BK] in dtype: column 8w + i
+    # is nibble i of word w, x its group's scale (fp32), one rounding to the activations' dtype, as the reference's
+    # dequantization
+    ww = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    gg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    words = tl.load(w_rows + ww[None, :], mask=n_mask[:, None] & (ww < K // 8)[None, :], other=0)     # [BN, BK/8]
+    s = tl.load(s_rows + gg[None, :], mask=n_mask[:, None] & (gg < K // GROUP)[None, :], other=0.0)   # [BN, BK/G]
+    q = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF                             # [BN, BK/8, 8]
+    q = tl.reshape(q - 8, (q.shape[0], BLOCK_K // GROUP, GROUP)).to(tl.float32)
+    return tl.reshape(q * s.to(tl.float32)[:, :, None], (q.shape[0], BLOCK_K)).to(dtype)
 
 
 @triton.jit
-def _a_plane(a_rows, m_mask, cols, c_mask, N_A, SWIGLU: tl.constexpr, dtype: tl.constexpr):
-    # A^T at columns `cols` [BW] of rows a_rows [BM] -> [BW, BM] in dtype: the rows as stored, or SwiGLU of a gate |
-    # up row (gate at column c, up at N_A + c, fp32), formed as it is loaded
-    ptrs = a_rows[None, :] + cols[:, None]
-    mask = m_mask[None, :] & c_mask[:, None]
-    if SWIGLU:
-        g = tl.load(ptrs, mask=mask, other=0.0)
-        return (g * tl.sigmoid(g) * tl.load(ptrs + N_A, mask=mask, other=0.0)).to(dtype)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0).to(dtype)
-
-
-@triton.jit
-def _moe_mma_kernel(a_ptr, w_ptr, s_ptr, topk_w_ptr, out_ptr, pair_ptr, slots_ptr, N, KW, A_STRIDE, ROWS_PER,
-                    GROUP: tl.constexpr, SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
-    # Program (slot, pid_n): rows pid_n*BLOCK_N.. of the slot-th used expert's W [N, 8 KW] (INT4, KW words a row)
-    # times A for BLOCK_M of its pairs at a time -> out[pair] (fp32; x routing weight if WEIGHTED). A's row of pair p:
-    # row p // ROWS_PER of a_ptr (x for gate | up: ROWS_PER = K) or SwiGLU of gu's row p (down). Each weight tile is
-    # loaded and dequantized once for all the pairs, then 8 tensor-core dots (one per plane) with W as the tile's
-    # rows (the dot's M: wgmma wants 64; the pairs are its N).
+def _moe_mma_kernel(a_ptr, w_ptr, s_ptr, topk_w_ptr, out_ptr, pair_ptr, slots_ptr, N, K, A_STRIDE, ROWS_PER,
+                    GROUP: tl.constexpr, GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # Program (slot, pid_n): BLOCK_M pairs at a time of the slot-th used expert, A's rows (row pair // ROWS_PER of
+    # a_ptr) times W^T. GATE_UP: W = w13 [2N, K], h[pair, n] = SwiGLU(gate row n, up row N + n) in h's dtype; else
+    # W = w2 [N, K], out[pair, n] fp32 x the pair's routing weight. Each weight tile is loaded and dequantized once
+    # for all the pairs, then meets them in one tensor-core dot with W as the tile's rows (the dot's M: wgmma wants
+    # 64; the pairs are its N).
     _gdc(PDL)
     e, start, count = _load_slot(slots_ptr)
     if count == 0:
         return
-    GW: tl.constexpr = GROUP // 8
+    KG = K // GROUP
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    w_rows = w_ptr + e * N * KW + offs_n[:, None] * KW
-    s_rows = s_ptr + e * N * (KW // GW) + offs_n[:, None] * (KW // GW)
+    n_rows = 2 * N if GATE_UP else N
+    w_rows = w_ptr + e * n_rows * (K // 8) + offs_n[:, None] * (K // 8)
+    s_rows = s_ptr + e * n_rows * KG + offs_n[:, None] * KG
     dtype = s_ptr.dtype.element_ty
     for m0 in range(0, count, BLOCK_M):                                       # usually one pass
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < count
-        pair = tl.load(pair_ptr + start + offs_m, mask=m_mask, other=0)      # pair = t*K + k
+        pair = tl.load(pair_ptr + start + offs_m, mask=m_mask, other=0)      # pair = t*k + j
         a_rows = a_ptr + (pair // ROWS_PER) * A_STRIDE
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                  # out^T
-        for w0 in range(0, KW, BLOCK_W):
-            ww = w0 + tl.arange(0, BLOCK_W)
-            w_mask = n_mask[:, None] & (ww < KW)[None, :]
-            words = tl.load(w_rows + ww[None, :], mask=w_mask, other=0)                          # [BN, BW] int32
-            s = tl.load(s_rows + (ww // GW)[None, :], mask=w_mask, other=0.0).to(tl.float32)     # scale per word
-            for i in tl.static_range(8):
-                a = _a_plane(a_rows, m_mask, 8 * ww + i, ww < KW, 8 * KW, SWIGLU, dtype)       # [BW, BM]
-                acc = tl.dot(_int4_plane(words, s, i, dtype), a, acc, input_precision="ieee")
-        out = tl.trans(acc)                                                   # [BM, BN]
-        if WEIGHTED:
-            out = out * tl.load(topk_w_ptr + pair, mask=m_mask, other=0.0)[:, None]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                  # (gate) out^T
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                # up^T
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_mask = kk < K
+            a = tl.load(a_rows[None, :] + kk[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)  # [BK, BM]
+            w = _w4_tile(w_rows, s_rows, k0, K, n_mask, GROUP, BLOCK_K, dtype)                           # [BN, BK]
+            acc = tl.dot(w, a.to(dtype), acc, input_precision="ieee")
+            if GATE_UP:
+                w_up = _w4_tile(w_rows + N * (K // 8), s_rows + N * KG, k0, K, n_mask, GROUP, BLOCK_K, dtype)
+                acc_u = tl.dot(w_up, a.to(dtype), acc_u, input_precision="ieee")
+        if GATE_UP:
+            out = tl.trans(acc * tl.sigmoid(acc) * acc_u).to(out_ptr.dtype.element_ty)             # [BM, BN]
+        else:
+            out = tl.trans(acc) * tl.load(topk_w_ptr + pair, mask=m_mask, other=0.0)[:, None]
         tl.store(out_ptr + pair[:, None] * N + offs_n[None, :], out, mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -1287,15 +1283,15 @@ def _mma_block_m(P: int, n_slots: int) -> int:
 def _moe_mma(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y, prep=None):
     (T, D), P, n_slots, I = x.shape, y.shape[0], slots.shape[0], w13_packed.shape[1] // 2
     cfg = dict(GROUP=group_size, BLOCK_M=_mma_block_m(P, n_slots), **_pdl(x.device))
-    gu = _empty((P, 2 * I), torch.float32, x.device)                         # gate | up per pair
+    h = _empty((P, I), x.dtype, x.device)                                    # SwiGLU(gate, up) per pair
     c = MOE_MMA_BLOCKS["gate_up"]
-    _moe_mma_kernel[(n_slots, triton.cdiv(2 * I, c["BLOCK_N"]))](
-        x, w13_packed, w13_scale, topk_weights, gu, pair_ids, slots, 2 * I, D // 8, D, P // max(T, 1),
-        SWIGLU=False, WEIGHTED=False, **c, **cfg)
+    _moe_mma_kernel[(n_slots, triton.cdiv(I, c["BLOCK_N"]))](
+        x, w13_packed, w13_scale, topk_weights, h, pair_ids, slots, I, D, D, P // max(T, 1),
+        GATE_UP=True, **c, **cfg)
     c = MOE_MMA_BLOCKS["down"]
-    _moe_mma_kernel[(n_slots, triton.cdiv(D, c["BLOCK_N"]))](                # A = SwiGLU(gate, up), as loaded
-        gu, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I // 8, 2 * I, 1,
-        SWIGLU=True, WEIGHTED=True, **c, **cfg)
+    _moe_mma_kernel[(n_slots, triton.cdiv(D, c["BLOCK_N"]))](
+        h, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I, I, 1,
+        GATE_UP=False, **c, **cfg)
 
 
 @triton.jit
@@ -1377,6 +1373,7 @@ def _int4_weights_fit(x, w13_packed, w13_scale, w2_packed, w2_scale, group_size)
     D, I = x.shape[1], w2_packed.shape[-1] * 8
     return (_gpu(x) and D % group_size == 0 and I % group_size == 0 and group_size % 8 == 0
             and all(8 * c["BLOCK_W"] % group_size == 0 for c in MOE_GEMV_BLOCKS.values())
+            and all(c["BLOCK_K"] % group_size == 0 for c in MOE_MMA_BLOCKS.values())
             and x.dtype == w13_scale.dtype == w2_scale.dtype
             and all(w.is_contiguous() for w in (w13_packed, w13_scale, w2_packed, w2_scale)))
 

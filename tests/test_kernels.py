@@ -383,7 +383,7 @@ def test_attention_ref_vs_naive(kind):
 # T, E, K, D, I, tiles. 16-bit activations with fewer than MOE_MMA_MIN_PAIRS pairs take the GEMV path, fp32 the
 # tensor-core path; "mma" forces the tensor-core path at 16 bits. "small": the GEMV's tiles of 32 columns (BLOCK_W =
 # 4 words), so rows span several tiles and the reduction dim is split across programs; the tensor-core path's
-# BLOCK_N = 16 rows (and its least BLOCK_W, 16 words: D = 160 is a whole tile and a masked one).
+# BLOCK_N = 16 rows and BLOCK_K = 32 columns (D = 160: five whole tiles; I = 96: three).
 MOE_CASES = [
     (1, 8, 2, 160, 64, "small"),        # D split 4 ways over 5 tiles: the last split is empty and must store zeros
     (1, 8, 4, 128, 64, "default"),
@@ -404,7 +404,7 @@ def test_int4_experts_kernel(T_, E, K, D, I, tiles, dtype, monkeypatch):
     if "small" in tiles:
         small = dict(BLOCK_N=16, BLOCK_W=4, num_warps=4, num_stages=2)
         monkeypatch.setattr(kernels, "MOE_GEMV_BLOCKS", dict(gate_up=small, down=small))
-        monkeypatch.setattr(kernels, "MOE_MMA_BLOCKS", {k: dict(c, BLOCK_N=16, BLOCK_W=16)
+        monkeypatch.setattr(kernels, "MOE_MMA_BLOCKS", {k: dict(c, BLOCK_N=16, BLOCK_K=32)
                                                         for k, c in kernels.MOE_MMA_BLOCKS.items()})
     if "mma" in tiles:
         monkeypatch.setattr(kernels, "MOE_MMA_MIN_PAIRS", 0)
