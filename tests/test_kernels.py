@@ -243,6 +243,16 @@ def test_fits_hold_the_kernels_limits(name, ok, bad, monkeypatch):
         assert fits(*ok) and not fits(*bad)
 
 
+def test_moe_tiles_hold_whole_scale_groups(monkeypatch):
+    """A tensor-core tile narrower than a scale group (BLOCK_K 16 < group 32) sends the experts to the reference."""
+    _, ok, _ = next(c for c in fits_cases() if c[0] == "Experts.forward")
+    fits = kernels._KERNELS["Experts.forward"][0]
+    monkeypatch.setattr(kernels, "_gpu", lambda t: True)
+    assert fits(*ok)
+    monkeypatch.setattr(kernels, "MOE_MMA_BLOCKS", {k: dict(c, BLOCK_K=16) for k, c in kernels.MOE_MMA_BLOCKS.items()})
+    assert not fits(*ok)
+
+
 def test_references_run_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"     # makes `import triton` raise ImportError
