@@ -1232,10 +1232,10 @@ def _moe_mma_kernel(a_ptr, w_ptr, s_ptr, topk_w_ptr, out_ptr, pair_ptr, slots_pt
             k_mask = kk < K
             a = tl.load(a_rows[None, :] + kk[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)  # [BK, BM]
             w = _w4_tile(w_rows, s_rows, k0, K, n_mask, GROUP, BLOCK_K, dtype)                           # [BN, BK]
-            acc = tl.dot(w, a.to(dtype), acc, input_precision="ieee")
+            acc = tl.dot(w, a, acc, input_precision="ieee")
             if GATE_UP:
                 w_up = _w4_tile(w_rows + N * (K // 8), s_rows + N * KG, k0, K, n_mask, GROUP, BLOCK_K, dtype)
-                acc_u = tl.dot(w_up, a.to(dtype), acc_u, input_precision="ieee")
+                acc_u = tl.dot(w_up, a, acc_u, input_precision="ieee")
         if GATE_UP:
             out = tl.trans(acc * tl.sigmoid(acc) * acc_u).to(out_ptr.dtype.element_ty)             # [BM, BN]
         else:
