@@ -1818,9 +1818,9 @@ def kernel_resources(arch: int = 90) -> dict:
               dict(gemv, hk_ptr="*i32", hs_ptr="*fp32", topk_w_ptr="*fp32", y_ptr="*fp32", D="i32", IW="i32",
                    IG="i32"), dict(EVEN=True)),
              ("tensor-core gate | up", kernels._moe_mma_kernel, "gate_up", kernels.MOE_MMA_BLOCKS,
-              dict(mma, out_ptr="*bf16"), dict(GATE_UP=True, BLOCK_M=16)),             # out: h, in x's dtype
+              dict(mma, out_ptr="*bf16"), dict(GATE_UP=True, S_PAIRS=True, BLOCK_M=16)),             # out: h, in x's dtype
              ("tensor-core down", kernels._moe_mma_kernel, "down", kernels.MOE_MMA_BLOCKS, mma,
-              dict(GATE_UP=False, BLOCK_M=16))]
+              dict(GATE_UP=False, S_PAIRS=True, BLOCK_M=16))]
     skinny = dict(x_ptr="*bf16", w_ptr="*bf16", norm_ptr="*bf16", part_ptr="*fp32", y_ptr="*bf16", count_ptr="*i32")
     sk = {"": kernels.SKINNY}
     for name, norm in (("", False), (", norm prologue", True)):

@@ -1187,23 +1187,38 @@ def _moe_down_gemv(hk_ptr, hs_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, sl
 # --- many rows per expert (batches, prefill) and fp32 activations: tensor-core tiles ---
 
 @triton.jit
-def _w4_tile(w_rows, s_rows, k0, K, n_mask, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+def _w4_tile(w_rows, s_rows, k0, K, n_mask, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, S_PAIRS: tl.constexpr,
+             dtype: tl.constexpr):
     # Columns k0 .. k0 + BLOCK_K of W's rows (pointers w_rows / s_rows [BN, 1]) -> [BN, BK] in dtype: column 8w + i
     # is nibble i of word w, x its group's scale (fp32), one rounding to the activations' dtype, as the reference's
     # dequantization
     ww = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    gg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     words = tl.load(w_rows + ww[None, :], mask=n_mask[:, None] & (ww < K // 8)[None, :], other=0)     # [BN, BK/8]
-    s = tl.load(s_rows + gg[None, :], mask=n_mask[:, None] & (gg < K // GROUP)[None, :], other=0.0)   # [BN, BK/G]
+    s = _scales(s_rows, k0 // GROUP, K // GROUP, n_mask, BLOCK_K // GROUP, S_PAIRS)                   # [BN, BK/G]
     q = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF                             # [BN, BK/8, 8]
     q = tl.reshape(q - 8, (q.shape[0], BLOCK_K // GROUP, GROUP)).to(tl.float32)
-    return tl.reshape(q * s.to(tl.float32)[:, :, None], (q.shape[0], BLOCK_K)).to(dtype)
+    return tl.reshape(q * s[:, :, None], (q.shape[0], BLOCK_K)).to(dtype)
+
+
+@triton.jit
+def _scales(s_rows, g0, KG, n_mask, NG: tl.constexpr, S_PAIRS: tl.constexpr):
+    # Scales g0 .. g0 + NG of each row -> [BN, NG] fp32. S_PAIRS (bf16 scales, an even number a row, 4-byte aligned):
+    # read in pairs as int32 (a bf16 is the high half of an fp32), 4-byte loads, which the compiler stages ahead of
+    # the dots like the weights; it does not stage 2-byte loads
+    if S_PAIRS and NG % 2 == 0:
+        gp = g0 // 2 + tl.arange(0, NG // 2)
+        v = tl.load(s_rows.to(tl.pointer_type(tl.int32)) + gp[None, :], mask=n_mask[:, None] & (gp < KG // 2)[None, :],
+                    other=0)                                                                       # [BN, NG/2]
+        lo, hi = (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+        return tl.reshape(tl.join(lo, hi), (v.shape[0], NG))
+    gg = g0 + tl.arange(0, NG)
+    return tl.load(s_rows + gg[None, :], mask=n_mask[:, None] & (gg < KG)[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _moe_mma_kernel(a_ptr, w_ptr, s_ptr, topk_w_ptr, out_ptr, pair_ptr, slots_ptr, N, K, A_STRIDE, ROWS_PER,
-                    GROUP: tl.constexpr, GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                    GROUP: tl.constexpr, GATE_UP: tl.constexpr, S_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Program (slot, pid_n): BLOCK_M pairs at a time of the slot-th used expert, A's rows (row pair // ROWS_PER of
     # a_ptr) times W^T. GATE_UP: W = w13 [2N, K], h[pair, n] = SwiGLU(gate row n, up row N + n) in h's dtype; else
     # W = w2 [N, K], out[pair, n] fp32 x the pair's routing weight. Each weight tile is loaded and dequantized once
@@ -1231,10 +1246,10 @@ def _moe_mma_kernel(a_ptr, w_ptr, s_ptr, topk_w_ptr, out_ptr, pair_ptr, slots_pt
             kk = k0 + tl.arange(0, BLOCK_K)
             k_mask = kk < K
             a = tl.load(a_rows[None, :] + kk[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)  # [BK, BM]
-            w = _w4_tile(w_rows, s_rows, k0, K, n_mask, GROUP, BLOCK_K, dtype)                           # [BN, BK]
+            w = _w4_tile(w_rows, s_rows, k0, K, n_mask, GROUP, BLOCK_K, S_PAIRS, dtype)                  # [BN, BK]
             acc = tl.dot(w, a, acc, input_precision="ieee")
             if GATE_UP:
-                w_up = _w4_tile(w_rows + N * (K // 8), s_rows + N * KG, k0, K, n_mask, GROUP, BLOCK_K, dtype)
+                w_up = _w4_tile(w_rows + N * (K // 8), s_rows + N * KG, k0, K, n_mask, GROUP, BLOCK_K, S_PAIRS, dtype)
                 acc_u = tl.dot(w_up, a, acc_u, input_precision="ieee")
         if GATE_UP:
             out = tl.trans(acc * tl.sigmoid(acc) * acc_u).to(out_ptr.dtype.element_ty)             # [BM, BN]
@@ -1280,6 +1295,11 @@ def _mma_block_m(P: int, n_slots: int) -> int:
     return min(64, max(16, triton.next_power_of_2(triton.cdiv(P, max(n_slots, 1)))))
 
 
+def _scale_pairs(scale: torch.Tensor) -> bool:
+    # the tensor-core kernel may read these scales two at a time as int32 (_scales)
+    return scale.dtype == torch.bfloat16 and scale.shape[-1] % 2 == 0 and scale.data_ptr() % 4 == 0
+
+
 def _moe_mma(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size, pair_ids, slots, y, prep=None):
     (T, D), P, n_slots, I = x.shape, y.shape[0], slots.shape[0], w13_packed.shape[1] // 2
     cfg = dict(GROUP=group_size, BLOCK_M=_mma_block_m(P, n_slots), **_pdl(x.device))
@@ -1287,11 +1307,11 @@ def _moe_mma(x, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_
     c = MOE_MMA_BLOCKS["gate_up"]
     _moe_mma_kernel[(n_slots, triton.cdiv(I, c["BLOCK_N"]))](
         x, w13_packed, w13_scale, topk_weights, h, pair_ids, slots, I, D, D, P // max(T, 1),
-        GATE_UP=True, **c, **cfg)
+        GATE_UP=True, S_PAIRS=_scale_pairs(w13_scale), **c, **cfg)
     c = MOE_MMA_BLOCKS["down"]
     _moe_mma_kernel[(n_slots, triton.cdiv(D, c["BLOCK_N"]))](
         h, w2_packed, w2_scale, topk_weights, y, pair_ids, slots, D, I, I, 1,
-        GATE_UP=False, **c, **cfg)
+        GATE_UP=False, S_PAIRS=_scale_pairs(w2_scale), **c, **cfg)
 
 
 @triton.jit

@@ -427,6 +427,31 @@ def test_int4_experts_kernel(T_, E, K, D, I, tiles, dtype, monkeypatch):
     assert_close(out, int4_ref(*args), TOL[dtype], f"moe T={T_} {tiles} {dtype}")
 
 
+tl = kernels.tl
+
+
+@kernels.triton.jit
+def _scales_probe(s_ptr, out_ptr, N, KG, NG: tl.constexpr, S_PAIRS: tl.constexpr):
+    # kernels._scales for every row and every NG-group step of a [N, KG] scale table -> out [N, KG] fp32
+    rows = tl.arange(0, 8)
+    for g0 in range(0, KG, NG):
+        s = kernels._scales(s_ptr + rows[:, None] * KG, g0, KG, rows < N, NG, S_PAIRS)
+        gg = g0 + tl.arange(0, NG)
+        tl.store(out_ptr + rows[:, None] * KG + gg[None, :], s, mask=(rows < N)[:, None] & (gg < KG)[None, :])
+
+
+@needs_kernels
+@pytest.mark.parametrize("KG, NG", [(8, 2), (6, 4), (4, 1)])
+def test_moe_scales_read_in_pairs(KG, NG):
+    """The tensor-core kernel's bf16 scales read two at a time as int32 are the scales, in fp32 (a tail past the row
+    masked; one group a step reads them one at a time)."""
+    scale = torch.randn(5, KG, generator=torch.Generator().manual_seed(KG)).to(torch.bfloat16).to(KERNEL_DEVICE)
+    out = torch.full((5, KG), float("nan"), device=KERNEL_DEVICE)
+    _scales_probe[(1,)](scale, out, 5, KG, NG=NG, S_PAIRS=kernels._scale_pairs(scale))
+    assert kernels._scale_pairs(scale) == (KG % 2 == 0)
+    assert torch.equal(out, scale.float())
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("T_, mma_min_pairs", [(3, None), (3, 0), (70, None)])
