@@ -1196,8 +1196,21 @@ def _w4_tile(w_rows, s_rows, k0, K, n_mask, GROUP: tl.constexpr, BLOCK_K: tl.con
     words = tl.load(w_rows + ww[None, :], mask=n_mask[:, None] & (ww < K // 8)[None, :], other=0)     # [BN, BK/8]
     s = _scales(s_rows, k0 // GROUP, K // GROUP, n_mask, BLOCK_K // GROUP, S_PAIRS)                   # [BN, BK/G]
     q = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF                             # [BN, BK/8, 8]
-    q = tl.reshape(q - 8, (q.shape[0], BLOCK_K // GROUP, GROUP)).to(tl.float32)
-    return tl.reshape(q * s[:, :, None], (q.shape[0], BLOCK_K)).to(dtype)
+    q = tl.reshape(_nibble_minus_8(q, dtype), (q.shape[0], BLOCK_K // GROUP, GROUP))
+    return tl.reshape(q * s.to(dtype)[:, :, None], (q.shape[0], BLOCK_K))   # exact x exact: one rounding
+
+
+@triton.jit
+def _nibble_minus_8(q, dtype: tl.constexpr):
+    # nibbles q (int32, 0..15) -> q - 8 in dtype, exact, without an int-to-float conversion: the float 2^m + q has
+    # 2^m's bits with q in the low mantissa bits (an OR), less 2^m + 8
+    if dtype == tl.float32:
+        v = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0                             # 2^23 + q - (2^23 + 8)
+    elif dtype == tl.bfloat16:
+        v = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0                        # 128 + q - 136
+    else:
+        v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0                        # 1024 + q - 1032
+    return v
 
 
 @triton.jit

@@ -452,6 +452,32 @@ def test_moe_scales_read_in_pairs(KG, NG):
     assert torch.equal(out, scale.float())
 
 
+@kernels.triton.jit
+def _w4_tile_probe(w_ptr, s_ptr, out_ptr, N, K, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, S_PAIRS: tl.constexpr):
+    # kernels._w4_tile for every BLOCK_K-column step of an INT4 weight [N, K] (words [N, K/8], scales [N, K/GROUP])
+    rows = tl.arange(0, 8)
+    for k0 in range(0, K, BLOCK_K):
+        w = kernels._w4_tile(w_ptr + rows[:, None] * (K // 8), s_ptr + rows[:, None] * (K // GROUP), k0, K, rows < N,
+                             GROUP, BLOCK_K, S_PAIRS, s_ptr.dtype.element_ty)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + rows[:, None] * K + kk[None, :], w, mask=(rows < N)[:, None] & (kk < K)[None, :])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+def test_moe_w4_tile_is_dequant_int4(dtype):
+    """The tensor-core kernel's dequantized tile (nibbles turned to floats by bit patterns, not conversions) ==
+    model.dequant_int4, bit for bit, at every nibble value and in each activation dtype (a tail tile masked)."""
+    g = torch.Generator().manual_seed(3)
+    packed = torch.randint(-2**31, 2**31, (5, 24), dtype=torch.int32, generator=g)                 # K = 192
+    scale = (torch.rand(5, 6, generator=g) * 4 - 2).to(dtype)
+    want = M.dequant_int4(packed, scale)
+    out = torch.full((5, 192), float("nan"), dtype=dtype, device=KERNEL_DEVICE)
+    _w4_tile_probe[(1,)](packed.to(KERNEL_DEVICE), scale.to(KERNEL_DEVICE), out, 5, 192, GROUP=32, BLOCK_K=128,
+                         S_PAIRS=kernels._scale_pairs(scale))
+    assert torch.equal(out.cpu(), want)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("T_, mma_min_pairs", [(3, None), (3, 0), (70, None)])
