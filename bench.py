@@ -1800,18 +1800,21 @@ def kernel_resources(arch: int = 90) -> dict:
     """kernels --resources: the INT4 MoE kernels at their shipped settings, and the skinny GEMM with and without its
     norm prologue (kernels.FUSE["q_norm"]) at the rows the launcher uses it, compiled for sm_{arch} by Triton's own
     compiler, no GPU needed (its ptxas and cuobjdump): registers, spilled stack and shared memory per program, and
-    whether the tensor-core path's dots became wgmma (HGMMA) or mma.sync (HMMA). Spills and wgmma decide much of a
-    kernel's speed before it runs."""
+    whether the tensor-core path's dots became wgmma (HGMMA) or mma.sync (HMMA), and the instructions a thread issues
+    in its main loop (the longest backward branch), shared-memory loads (LDS) among them. Pointers and the integer
+    arguments that are multiples of 16 at K2.6's TP8 shapes are compiled as such, as the launch specializes them.
+    Spills, wgmma and the loop's length decide much of a kernel's speed before it runs."""
     import re
     import tempfile
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "{}")
     gemv = dict(xk_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", s_ptr="*bf16", pair_ptr="*i64", slots_ptr="*i64")
     mma = dict(a_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", topk_w_ptr="*fp32", out_ptr="*fp32", pair_ptr="*i64",
                slots_ptr="*i64", N="i32", K="i32", A_STRIDE="i32", ROWS_PER="i32")
+    div16 = {"I", "D", "DW", "DG", "IW", "N", "K", "A_STRIDE"}     # (the MMA kernel's K; the GEMV's K is top-k: 8)
     cases = [("GEMV gate | up", kernels._moe_gate_up_gemv, "gate_up", kernels.MOE_GEMV_BLOCKS,
               dict(gemv, gu_ptr="*fp32", I="i32", K="i32", P="i32", DW="i32", DG="i32"), dict(SPLIT_K=2, EVEN=True)),
              ("GEMV down", kernels._moe_down_gemv, "down", kernels.MOE_GEMV_BLOCKS,
@@ -1835,21 +1838,44 @@ def kernel_resources(arch: int = 90) -> dict:
                                         if k in fn.arg_names})
         params = [n for n in fn.arg_names if n not in consts]
         sig = {n: sig.get(n, "i32") for n in params} | {n: "constexpr" for n in consts}
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", arch, 64),
-                           options=options)
+        aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in params
+                   if sig[n].startswith("*") or (n in div16 and not (n == "K" and key and "GEMV" in label))}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned),
+                           target=GPUTarget("cuda", arch, 64), options=options)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
             f.flush()
-            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+            usage = subprocess.run([tool.format("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+            sass = subprocess.run([tool.format("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
         regs, stack = (int(re.search(rf"{w}:(\d+)", usage).group(1)) for w in ("REG", "STACK"))
+        loop = _sass_main_loop(sass)
         rows.append({"kernel": label, "settings": blocks[key], "registers": regs, "stack_bytes": stack,
-                     "shared_bytes": k.metadata.shared, "wgmma": sass.count("HGMMA"), "mma_sync": sass.count("HMMA")})
+                     "shared_bytes": k.metadata.shared, "wgmma": sass.count("HGMMA"), "mma_sync": sass.count("HMMA"),
+                     "loop_instructions": len(loop),
+                     "loop_lds": sum(re.sub(r"^@!?U?P\w+\s+", "", i).split(".")[0].split()[0] == "LDS" for i in loop)})
     print0(f"\n## kernels --resources: compiled for sm_{arch} (triton {triton.__version__}), nothing run")
-    print0(table(["kernel", "registers", "spilled stack B", "shared B", "HGMMA", "HMMA"],
-                 [[r["kernel"], r["registers"], r["stack_bytes"], r["shared_bytes"], r["wgmma"], r["mma_sync"]]
-                  for r in rows]))
+    print0(table(["kernel", "registers", "spilled stack B", "shared B", "HGMMA", "HMMA", "loop instr", "of which LDS"],
+                 [[r["kernel"], r["registers"], r["stack_bytes"], r["shared_bytes"], r["wgmma"], r["mma_sync"],
+                   r["loop_instructions"], r["loop_lds"]] for r in rows]))
     return {"arch": arch, "rows": rows}
+
+
+def _sass_main_loop(sass: str) -> list[str]:
+    """nvdisasm's listing -> the instructions of its longest loop: from a label to the last branch back to it."""
+    import re
+    instrs, at = [], {}
+    for line in sass.splitlines():
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            at[label.group(1)] = len(instrs)
+        elif re.match(r"\s*/\*[0-9a-f]+\*/", line):
+            instrs.append(line.split("*/", 1)[1].strip())
+            back = re.search(r"BRA\b.*`?\(?\.(L_x_\d+)", line)
+            if back and back.group(1) in at:
+                at[back.group(1) + " end"] = len(instrs)
+    spans = [(at[k + " end"] - at[k], at[k]) for k in at if not k.endswith(" end") and k + " end" in at]
+    n, start = max(spans, default=(0, 0))
+    return instrs[start:start + n]
 
 
 def kernel_sweep(device, dtype) -> dict:

@@ -542,4 +542,27 @@ def test_kernels_resources_without_a_gpu(capsys):
         "skinny GEMM, norm prologue"]
     assert all(0 < r["registers"] <= 255 and r["stack_bytes"] >= 0 for r in rows)
     assert all(r["wgmma"] > 0 for r in rows[2:]) and all(r["wgmma"] == 0 for r in rows[:2])
+    assert all(0 <= r["loop_lds"] < r["loop_instructions"] for r in rows)      # every kernel has its K loop
     assert "compiled for sm_90" in capsys.readouterr().out
+
+
+def test_sass_main_loop_is_the_longest_backward_branch():
+    """The loop counted by kernels --resources: from a label to the last branch back to it, the longest such span
+    (a forward branch to a label is no loop)."""
+    listing = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   LDS R2, [R3] ;
+        /*0020*/                   SHF.R.U32.HI R4, RZ, 0x4, R2 ;
+.L_x_2:
+        /*0030*/                   IADD3 R5, R5, 0x1, RZ ;
+        /*0040*/              @P0 BRA `(.L_x_2) ;
+        /*0050*/              @!P1 LDS.U16 R6, [R3+0x2] ;
+        /*0060*/                   BRA `(.L_x_1) ;
+        /*0070*/                   BRA `(.L_x_3) ;
+.L_x_3:
+        /*0080*/                   EXIT ;
+"""
+    loop = bench._sass_main_loop(listing)
+    assert [i.split()[0] for i in loop] == ["LDS", "SHF.R.U32.HI", "IADD3", "@P0", "@!P1", "BRA"]
+    assert bench._sass_main_loop("") == []
