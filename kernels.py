@@ -1205,7 +1205,7 @@ def _nibble_minus_8(q, dtype: tl.constexpr):
     # nibbles q (int32, 0..15) -> q - 8 in dtype, exact, without an int-to-float conversion: the float 2^m + q has
     # 2^m's bits with q in the low mantissa bits (an OR), less 2^m + 8
     if dtype == tl.float32:
-        v = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0                             # 2^23 + q - (2^23 + 8)
+        v = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0                          # 2^23 + q - (2^23 + 8)
     elif dtype == tl.bfloat16:
         v = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0                        # 128 + q - 136
     else:
