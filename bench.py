@@ -1801,7 +1801,7 @@ def kernel_resources(arch: int = 90) -> dict:
     norm prologue (kernels.FUSE["q_norm"]) at the rows the launcher uses it, compiled for sm_{arch} by Triton's own
     compiler, no GPU needed (its ptxas and cuobjdump): registers, spilled stack and shared memory per program, and
     whether the tensor-core path's dots became wgmma (HGMMA) or mma.sync (HMMA), and the instructions a thread issues
-    in its main loop (the longest backward branch), shared-memory loads (LDS) among them. Pointers and the integer
+    in its main loop (the longest innermost loop), shared-memory loads (LDS) among them. Pointers and the integer
     arguments that are multiples of 16 at K2.6's TP8 shapes are compiled as such, as the launch specializes them.
     Spills, wgmma and the loop's length decide much of a kernel's speed before it runs."""
     import re
@@ -1861,9 +1861,10 @@ def kernel_resources(arch: int = 90) -> dict:
 
 
 def _sass_main_loop(sass: str) -> list[str]:
-    """nvdisasm's listing -> the instructions of its longest loop: from a label to the last branch back to it."""
+    """nvdisasm's listing -> the instructions of its longest innermost loop (a K loop: from a label to the last branch
+    back to it, with no such loop inside)."""
     import re
-    instrs, at = [], {}
+    instrs, at, spans = [], {}, {}
     for line in sass.splitlines():
         label = re.match(r"\s*\.(L_x_\d+):", line)
         if label:
@@ -1872,9 +1873,10 @@ def _sass_main_loop(sass: str) -> list[str]:
             instrs.append(line.split("*/", 1)[1].strip())
             back = re.search(r"BRA\b.*`?\(?\.(L_x_\d+)", line)
             if back and back.group(1) in at:
-                at[back.group(1) + " end"] = len(instrs)
-    spans = [(at[k + " end"] - at[k], at[k]) for k in at if not k.endswith(" end") and k + " end" in at]
-    n, start = max(spans, default=(0, 0))
+                spans[at[back.group(1)]] = len(instrs)
+    inner = [(b - a, a) for a, b in spans.items() if not any(a <= c and d <= b and (c, d) != (a, b)
+                                                             for c, d in spans.items())]
+    n, start = max(inner, default=(0, 0))
     return instrs[start:start + n]
 
 
