@@ -1190,8 +1190,8 @@ def _moe_down_gemv(hk_ptr, hs_ptr, w_ptr, s_ptr, topk_w_ptr, y_ptr, pair_ptr, sl
 def _w4_tile(w_rows, s_rows, k0, K, n_mask, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, S_PAIRS: tl.constexpr,
              dtype: tl.constexpr):
     # Columns k0 .. k0 + BLOCK_K of W's rows (pointers w_rows / s_rows [BN, 1]) -> [BN, BK] in dtype: column 8w + i
-    # is nibble i of word w, x its group's scale (fp32), one rounding to the activations' dtype, as the reference's
-    # dequantization
+    # is nibble i of word w less 8, x its group's scale, both exact in the activations' dtype: one rounding, as the
+    # reference's dequantization
     ww = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     words = tl.load(w_rows + ww[None, :], mask=n_mask[:, None] & (ww < K // 8)[None, :], other=0)     # [BN, BK/8]
     s = _scales(s_rows, k0 // GROUP, K // GROUP, n_mask, BLOCK_K // GROUP, S_PAIRS)                   # [BN, BK/G]
