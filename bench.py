@@ -1811,20 +1811,22 @@ def kernel_resources(arch: int = 90) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "{}")
+    # "i32:16": an integer that is a multiple of 16 at K2.6's TP8 shapes (the launch specializes it as such)
     gemv = dict(xk_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", s_ptr="*bf16", pair_ptr="*i64", slots_ptr="*i64")
     mma = dict(a_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", topk_w_ptr="*fp32", out_ptr="*fp32", pair_ptr="*i64",
-               slots_ptr="*i64", N="i32", K="i32", A_STRIDE="i32", ROWS_PER="i32")
-    div16 = {"I", "D", "DW", "DG", "IW", "N", "K", "A_STRIDE"}     # (the MMA kernel's K; the GEMV's K is top-k: 8)
+               slots_ptr="*i64", N="i32:16", K="i32:16", A_STRIDE="i32:16", ROWS_PER="i32")
     cases = [("GEMV gate | up", kernels._moe_gate_up_gemv, "gate_up", kernels.MOE_GEMV_BLOCKS,
-              dict(gemv, gu_ptr="*fp32", I="i32", K="i32", P="i32", DW="i32", DG="i32"), dict(SPLIT_K=2, EVEN=True)),
+              dict(gemv, gu_ptr="*fp32", I="i32:16", K="i32", P="i32", DW="i32:16", DG="i32:16"),   # K: top-k
+              dict(SPLIT_K=2, EVEN=True)),
              ("GEMV down", kernels._moe_down_gemv, "down", kernels.MOE_GEMV_BLOCKS,
-              dict(gemv, hk_ptr="*i32", hs_ptr="*fp32", topk_w_ptr="*fp32", y_ptr="*fp32", D="i32", IW="i32",
+              dict(gemv, hk_ptr="*i32", hs_ptr="*fp32", topk_w_ptr="*fp32", y_ptr="*fp32", D="i32:16", IW="i32:16",
                    IG="i32"), dict(EVEN=True)),
              ("tensor-core gate | up", kernels._moe_mma_kernel, "gate_up", kernels.MOE_MMA_BLOCKS,
-              dict(mma, out_ptr="*bf16"), dict(GATE_UP=True, S_PAIRS=True, BLOCK_M=16)),             # out: h, in x's dtype
+              dict(mma, out_ptr="*bf16"), dict(GATE_UP=True, S_PAIRS=True, BLOCK_M=16)),    # out: h, in x's dtype
              ("tensor-core down", kernels._moe_mma_kernel, "down", kernels.MOE_MMA_BLOCKS, mma,
               dict(GATE_UP=False, S_PAIRS=True, BLOCK_M=16))]
-    skinny = dict(x_ptr="*bf16", w_ptr="*bf16", norm_ptr="*bf16", part_ptr="*fp32", y_ptr="*bf16", count_ptr="*i32")
+    skinny = dict(x_ptr="*bf16", w_ptr="*bf16", norm_ptr="*bf16", part_ptr="*fp32", y_ptr="*bf16", count_ptr="*i32",
+                  N="i32:16", K="i32:16")
     sk = {"": kernels.SKINNY}
     for name, norm in (("", False), (", norm prologue", True)):
         cases.append((f"skinny GEMM{name}", kernels._skinny_kernel, "", sk, skinny,
@@ -1837,16 +1839,17 @@ def kernel_resources(arch: int = 90) -> dict:
         consts = dict(consts, **cfg, **{k: v for k, v in (("GROUP", 32), ("PDL", False), ("PTX", True))
                                         if k in fn.arg_names})
         params = [n for n in fn.arg_names if n not in consts]
-        sig = {n: sig.get(n, "i32") for n in params} | {n: "constexpr" for n in consts}
+        sig = {n: sig.get(n, "i32") for n in params}
         aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in params
-                   if sig[n].startswith("*") or (n in div16 and not (n == "K" and key and "GEMV" in label))}
+                   if sig[n].startswith("*") or sig[n].endswith(":16")}
+        sig = {n: t.removesuffix(":16") for n, t in sig.items()} | {n: "constexpr" for n in consts}
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned),
                            target=GPUTarget("cuda", arch, 64), options=options)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
             f.flush()
-            usage = subprocess.run([tool.format("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
-            sass = subprocess.run([tool.format("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+            usage, sass = (subprocess.run([tool.format(name), flag, f.name], capture_output=True, text=True).stdout
+                           for name, flag in (("cuobjdump", "-res-usage"), ("nvdisasm", "-c")))
         regs, stack = (int(re.search(rf"{w}:(\d+)", usage).group(1)) for w in ("REG", "STACK"))
         loop = _sass_main_loop(sass)
         rows.append({"kernel": label, "settings": blocks[key], "registers": regs, "stack_bytes": stack,
