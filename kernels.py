@@ -1191,13 +1191,26 @@ def _w4_tile(w_rows, s_rows, k0, K, n_mask, GROUP: tl.constexpr, BLOCK_K: tl.con
              dtype: tl.constexpr):
     # Columns k0 .. k0 + BLOCK_K of W's rows (pointers w_rows / s_rows [BN, 1]) -> [BN, BK] in dtype: column 8w + i
     # is nibble i of word w less 8, x its group's scale, both exact in the activations' dtype: one rounding, as the
-    # reference's dequantization
+    # reference's dequantization. Built as 8 tiles [BN, BK/8] (nibble i of every word) joined, not as one shift over a
+    # broadcast [BN, BK/8, 8]: each thread then holds whole words' columns, and reaching the dot's register layout
+    # takes register permutes, not a trip through shared memory
     ww = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     words = tl.load(w_rows + ww[None, :], mask=n_mask[:, None] & (ww < K // 8)[None, :], other=0)     # [BN, BK/8]
     s = _scales(s_rows, k0 // GROUP, K // GROUP, n_mask, BLOCK_K // GROUP, S_PAIRS)                   # [BN, BK/G]
-    q = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF                             # [BN, BK/8, 8]
-    q = tl.reshape(_nibble_minus_8(q, dtype), (q.shape[0], BLOCK_K // GROUP, GROUP))
-    return tl.reshape(q * s.to(dtype)[:, :, None], (q.shape[0], BLOCK_K))   # exact x exact: one rounding
+    BN: tl.constexpr = words.shape[0]
+    s = tl.broadcast_to(s.to(dtype)[:, :, None], (BN, BLOCK_K // GROUP, GROUP // 8))
+    s = tl.reshape(s, (BN, BLOCK_K // 8))                                                            # each word's
+    q = tl.join(tl.join(tl.join(_nibble(words, 0, s), _nibble(words, 4, s)),                         # [BN, BK/8, 2,
+                        tl.join(_nibble(words, 2, s), _nibble(words, 6, s))),                        #  2, 2]: nibble
+                tl.join(tl.join(_nibble(words, 1, s), _nibble(words, 5, s)),                         #  4a + 2b + c
+                        tl.join(_nibble(words, 3, s), _nibble(words, 7, s))))
+    return tl.reshape(q, (BN, BLOCK_K))
+
+
+@triton.jit
+def _nibble(words, i: tl.constexpr, s):
+    # nibble i of each word - 8, x the word's scale (exact x exact: one rounding), in the scale's dtype
+    return _nibble_minus_8((words >> (4 * i)) & 0xF, s.dtype) * s
 
 
 @triton.jit
