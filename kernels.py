@@ -919,8 +919,8 @@ MOE_GEMV_BLOCKS = dict(gate_up=dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_st
                        down=dict(BLOCK_N=64, BLOCK_W=64, num_warps=4, num_stages=2))        # = 8 * BLOCK_W columns
 MOE_GEMV_MIN_SPLIT_K = 2   # stage 1's least split over D at T > 1 (verify); decode keeps _split_k's choice
 MOE_MMA_BLOCKS = dict(gate_up=dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),   # the tensor-core path:
-                      down=dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3))      # BLOCK_K columns
-MOE_MMA_MIN_PAIRS = 1792   # from this many (token, expert) pairs on, the tensor-core path (16-bit activations)
+                      down=dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3))      # BLOCK_K columns
+MOE_MMA_MIN_PAIRS = 1280   # from this many (token, expert) pairs on, the tensor-core path (16-bit activations)
 MOE_MAX_SPLIT_K = 8
 MOE_SORT_MAX_PAIRS = 1024  # up to here the pairs are sorted by one program (_moe_sort_kernel); prefill: torch.sort
 MOE_PTX = not INTERPRETED and torch.version.hip is None                   # PTX only on NVIDIA hardware
