@@ -686,8 +686,8 @@ def bench_one_rank(a, device, dtype) -> dict:
                     st = G.Stats()
                     G.generate_batch(target, prompts, a.max_new_tokens, stats=st, **kw)
                     n, c = len(st.step_s), per_step[temp, b, B]
-                    step = G.get_step(target, kw["drafter"], B, max_seq_len, b, False, (temp, 0, 1.0), a.step_mode,
-                                      steps=kept)
+                    step = G.get_step(target, kw["drafter"], B, max_seq_len, b, False, (temp, 0, 1.0), "eager",
+                                      steps=kept)       # kernel_times profiles eager launches
                     top = (kernel_times(lambda: step.launch(step.tree_step if b else step.token_step), device, top=6)
                            if a.batch else {})       # every row has finished: a step now commits nothing
                     rows.append({"ctx": ctx, "batch": B, "temperature": temp, "mode": "ddtree" if b else "ar",
@@ -698,6 +698,8 @@ def bench_one_rank(a, device, dtype) -> dict:
                                  "collectives": sum(v for k, v in c.items() if not k.endswith("bytes")),
                                  "collective_bytes": sum(v for k, v in c.items() if k.endswith("bytes")),
                                  "collective_calls": c, "top_kernels": top.get("top_kernels")})
+                    print0(f"  ctx {ctx} batch {B} temp {temp:g} {f'DDTree {b}' if b else 'AR'}: "   # kept if a
+                           f"{rows[-1]['ms_per_step']:.2f} ms/step", flush=True)                # later one fails
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     proj = project_one_rank(rows, a.accept, a.allreduce_us, a.allreduce_gbps, tp)
     print_one_rank(tp, rows, proj, a.accept, a.allreduce_us, a.allreduce_gbps, weights, peak,
@@ -911,16 +913,22 @@ def time_compiled(step, device) -> tuple[float | None, str | None]:
 def kernel_times(step, device, reps: int = 3, top: int = 12) -> dict:
     """What the GPU itself spends on one step: torch.profiler over `reps` eager steps, the durations of the
     device kernels (and memcpy/memset) summed per step. graph_us / kernels_us is the launch overhead a CUDA
-    graph leaves (issue 10's target: <= 1.2); the top entries say where the step's time goes."""
+    graph leaves (issue 10's target: <= 1.2); the top entries say where the step's time goes. Kernels launched here
+    go without PDL: a PDL kernel starts early and waits for the one before it, and the wait would count as its time
+    (a captured graph keeps the PDL it was captured with)."""
     if device.type != "cuda":
         return {"kernels_us": None, "n_kernels": None, "top_kernels": []}
     from torch.profiler import ProfilerActivity, profile
-    step()
-    sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
+    pdl, kernels.USE_PDL = kernels.USE_PDL, False
+    try:
+        step()
         sync(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                step()
+            sync(device)
+    finally:
+        kernels.USE_PDL = pdl
     per_name: dict[str, float] = {}
     n = 0
     for e in prof.events():
