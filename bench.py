@@ -724,18 +724,23 @@ def project_one_rank(rows: list[dict], accepts: list[float], costs_us: list[floa
     step ms, where tokens per step is 1 for AR and each of `accepts` for DDTree (acceptance measured on random
     weights means nothing, so it is given, not taken from the run). Every collective (the lm_head's all-gather too)
     is charged as one all-reduce."""
+    def comm_ms(r, cost):
+        return r["collectives"] * cost / 1e3 + r["collective_bytes"] * 2 * (tp - 1) / tp / (bus_gbps * 1e9) * 1e3
+
     out = []
     for r in rows:
+        ar = next((q for q in rows if q["mode"] == "ar" and all(q[k] == r[k] for k in ("ctx", "batch", "temperature"))),
+                  None)
         for cost in costs_us:
-            ring_ms = r["collective_bytes"] * 2 * (tp - 1) / tp / (bus_gbps * 1e9) * 1e3
-            comm_ms = r["collectives"] * cost / 1e3 + ring_ms
-            ms = r["ms_per_step"] + comm_ms
+            ms = r["ms_per_step"] + comm_ms(r, cost)
+            # the accept at which this step's tok/s equals AR's: what --budget auto weighs a tree against
+            even = ms / (ar["ms_per_step"] + comm_ms(ar, cost)) if ar and r["mode"] != "ar" else None
             for acc in ([1.0] if r["mode"] == "ar" else accepts):
                 out.append({"ctx": r["ctx"], "batch": r["batch"], "temperature": r["temperature"],
                             "mode": r["mode"], "budget": r["budget"], "accept": acc, "allreduce_us": cost,
-                            "ms_per_step": r["ms_per_step"], "comm_ms": comm_ms, "step_ms": ms,
+                            "ms_per_step": r["ms_per_step"], "comm_ms": comm_ms(r, cost), "step_ms": ms,
                             "tokens_per_s_no_comm": 1e3 * acc * r["batch"] / r["ms_per_step"],
-                            "tokens_per_s": 1e3 * acc * r["batch"] / ms})
+                            "tokens_per_s": 1e3 * acc * r["batch"] / ms, "break_even_accept": even})
     return out
 
 
@@ -762,10 +767,13 @@ def print_one_rank(tp: int, rows: list[dict], proj: list[dict], accepts: list[fl
            f"(`torchrun ... bench.py allreduce` measures them); AR commits 1 token per row and step, DDTree the "
            f"given accept ({', '.join(f'{x:g}' for x in accepts)}; --accept)")
     print0(table(["ctx", "batch", "temp", "step", "accept", "cost us", "ms/step", "+ comm ms", "= ms/step",
-                  "tok/s no comm", "tok/s"],
+                  "tok/s no comm", "tok/s", "pays above accept"],
                  [[p["ctx"], p["batch"], _f(p["temperature"], "g"), step(p), _f(p["accept"], "g"),
                    _f(p["allreduce_us"], "g"), _f(p["ms_per_step"], ".2f"), _f(p["comm_ms"], ".2f"),
-                   _f(p["step_ms"], ".2f"), _f(p["tokens_per_s_no_comm"]), _f(p["tokens_per_s"])] for p in proj]))
+                   _f(p["step_ms"], ".2f"), _f(p["tokens_per_s_no_comm"]), _f(p["tokens_per_s"]),
+                   _f(p["break_even_accept"], ".2f")] for p in proj]))
+    print0("pays above accept: the tokens a tree step must commit for its tok/s to pass AR's at this batch (its "
+           "ms/step over AR's); --budget auto runs one-token steps where the accept it measures stays below it")
     print0(COLLECTIVES_NOT_RUN)
 
 

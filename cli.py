@@ -516,7 +516,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=200, help="stop after this many generated tokens")
     p.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (prompt + generated)")
     p.add_argument("--budget", type=budget_arg, default=8, help="DDTree node budget (0: autoregressive; auto: "
-                   f"before each step a tree of {G.AUTO_BUDGET} or one token, whichever commits faster here)")
+                   f"before each step a tree of {G.AUTO_BUDGET} or one token, whichever commits faster here: a tree "
+                   "step's time over a one-token step's, measured at this batch size, against the tokens trees "
+                   "commit; at large batches a tree step costs several one-token steps, so trees stop paying and "
+                   "auto decodes one token a step)")
     p.add_argument("--chain", action="store_true", help="DFlash chain instead of a tree")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy); one below "
                    f"{verify.MIN_TEMPERATURE:g} is refused, not taken as greedy (logits / T could overflow)")

@@ -451,10 +451,19 @@ def test_e2e_one_rank_of_batch(capsys):
         one, three = rows[1, mode], rows[3, mode]
         assert one["collectives"] == three["collectives"]
         assert three["collective_bytes"] > 2.5 * one["collective_bytes"]
+    proj = {(p["batch"], p["mode"]): p for p in e["projection"]}
     for p in e["projection"]:
         r = rows[p["batch"], p["mode"]]
         assert close(p["tokens_per_s_no_comm"], 1e3 * p["accept"] * p["batch"] / r["ms_per_step"])
-    assert "batch" in printed
+        # the break-even accept: a tree step committing that many tokens a row matches AR's tok/s at this batch
+        ar = proj[p["batch"], "ar"]
+        if p["mode"] == "ar":
+            assert p["break_even_accept"] is None
+        else:
+            even = p["break_even_accept"]
+            assert even > 0 and close(even, p["step_ms"] / ar["step_ms"])
+            assert close(p["tokens_per_s"] * even / p["accept"], ar["tokens_per_s"])
+    assert "batch" in printed and "pays above accept" in printed
 
 
 def test_e2e_one_rank_of_1_has_no_collectives(capsys):
