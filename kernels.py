@@ -1192,8 +1192,8 @@ def _w4_tile(w_rows, s_rows, k0, K, n_mask, GROUP: tl.constexpr, BLOCK_K: tl.con
     # Columns k0 .. k0 + BLOCK_K of W's rows (pointers w_rows / s_rows [BN, 1]) -> [BN, BK] in dtype: column 8w + i
     # is nibble i of word w less 8, x its group's scale, both exact in the activations' dtype: one rounding, as the
     # reference's dequantization. Built as 8 tiles [BN, BK/8] (nibble i of every word) joined, not as one shift over a
-    # broadcast [BN, BK/8, 8]: each thread then holds whole words' columns, and reaching the dot's register layout
-    # takes register permutes, not a trip through shared memory
+    # broadcast [BN, BK/8, 8]: a thread then loads each packed word it takes from shared memory once, where the
+    # broadcast's layout spread one word's nibbles over threads that each loaded it
     ww = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     words = tl.load(w_rows + ww[None, :], mask=n_mask[:, None] & (ww < K // 8)[None, :], other=0)     # [BN, BK/8]
     s = _scales(s_rows, k0 // GROUP, K // GROUP, n_mask, BLOCK_K // GROUP, S_PAIRS)                   # [BN, BK/G]
