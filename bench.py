@@ -193,6 +193,11 @@ def _f(x, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def step_name(budget) -> str:
+    """A row's step as the tables print it: AR (no budget) or DDTree <budget>."""
+    return f"DDTree {budget}" if budget else "AR"
+
+
 # ----------------------------------------------------------------------------------------------
 # e2e: autoregressive vs DFlash chain vs DDTree on the fixed prompt set
 
@@ -698,7 +703,7 @@ def bench_one_rank(a, device, dtype) -> dict:
                                  "collectives": sum(v for k, v in c.items() if not k.endswith("bytes")),
                                  "collective_bytes": sum(v for k, v in c.items() if k.endswith("bytes")),
                                  "collective_calls": c, "top_kernels": top.get("top_kernels")})
-                    print0(f"  ctx {ctx} batch {B} temp {temp:g} {f'DDTree {b}' if b else 'AR'}: "   # kept if a
+                    print0(f"  ctx {ctx} batch {B} temp {temp:g} {step_name(b)}: "   # kept if a
                            f"{rows[-1]['ms_per_step']:.2f} ms/step", flush=True)                # later one fails
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     proj = project_one_rank(rows, a.accept, a.allreduce_us, a.allreduce_gbps, tp)
@@ -732,13 +737,14 @@ def project_one_rank(rows: list[dict], accepts: list[float], costs_us: list[floa
         ar = next((q for q in rows if q["mode"] == "ar" and all(q[k] == r[k] for k in ("ctx", "batch", "temperature"))),
                   None)
         for cost in costs_us:
-            ms = r["ms_per_step"] + comm_ms(r, cost)
+            comm = comm_ms(r, cost)
+            ms = r["ms_per_step"] + comm
             # the accept at which this step's tok/s equals AR's: what --budget auto weighs a tree against
             even = ms / (ar["ms_per_step"] + comm_ms(ar, cost)) if ar and r["mode"] != "ar" else None
             for acc in ([1.0] if r["mode"] == "ar" else accepts):
                 out.append({"ctx": r["ctx"], "batch": r["batch"], "temperature": r["temperature"],
                             "mode": r["mode"], "budget": r["budget"], "accept": acc, "allreduce_us": cost,
-                            "ms_per_step": r["ms_per_step"], "comm_ms": comm_ms(r, cost), "step_ms": ms,
+                            "ms_per_step": r["ms_per_step"], "comm_ms": comm, "step_ms": ms,
                             "tokens_per_s_no_comm": 1e3 * acc * r["batch"] / r["ms_per_step"],
                             "tokens_per_s": 1e3 * acc * r["batch"] / ms, "break_even_accept": even})
     return out
@@ -746,11 +752,11 @@ def project_one_rank(rows: list[dict], accepts: list[float], costs_us: list[floa
 
 def print_one_rank(tp: int, rows: list[dict], proj: list[dict], accepts: list[float], costs_us: list[float],
                    bus_gbps: float, weights: int, peak: int | None, eager_cuda: bool) -> None:
-    step = lambda r: f"DDTree {r['budget']}" if r["budget"] else "AR"
     print0(table(["ctx", "batch", "temp", "step", "steps", "ms/step", "all-reduces/step", "all-gathers/step",
                   "collectives/step", "MB/step", "accept here", "prefill s"],
-                 [[r["ctx"], r["batch"], _f(r["temperature"], "g"), step(r), r["steps"], _f(r["ms_per_step"], ".2f"),
-                   r["all_reduce"], r["all_gather"], r["collectives"], _f(r["collective_bytes"] / 1e6, ".2f"),
+                 [[r["ctx"], r["batch"], _f(r["temperature"], "g"), step_name(r["budget"]), r["steps"],
+                   _f(r["ms_per_step"], ".2f"), r["all_reduce"], r["all_gather"], r["collectives"],
+                   _f(r["collective_bytes"] / 1e6, ".2f"),
                    _f(r["mean_accept"], ".2f"), _f(r["prefill_s"], ".2f")] for r in rows]))
     print0(f"ms/step: measured on rank 0 of TP{tp} with the collectives not run (decode time / steps"
            + ("; eager: the clock synchronizes the GPU after every stage" if eager_cuda else "") + "); "
@@ -759,7 +765,7 @@ def print_one_rank(tp: int, rows: list[dict], proj: list[dict], accepts: list[fl
            + (f"; peak CUDA memory {peak / 2**30:.2f} GiB ({weights / 2**30:.2f} GiB weights)" if peak else ""))
     for r in rows:
         if r.get("top_kernels"):
-            print0(f"  top kernels, ctx {r['ctx']} batch {r['batch']} {step(r)} (us per step): "
+            print0(f"  top kernels, ctx {r['ctx']} batch {r['batch']} {step_name(r['budget'])} (us per step): "
                    + "; ".join(f"{name} {us}" for name, us in r["top_kernels"]))
     print0(f"\nprojected TP{tp} decode, NOT MEASURED: total tok/s = batch x accept / (ms/step + comm), comm = every "
            f"collective at {', '.join(f'{c:g}' for c in costs_us)} us (--allreduce-us) + its bytes x 2({tp}-1)/{tp} "
@@ -768,7 +774,7 @@ def print_one_rank(tp: int, rows: list[dict], proj: list[dict], accepts: list[fl
            f"given accept ({', '.join(f'{x:g}' for x in accepts)}; --accept)")
     print0(table(["ctx", "batch", "temp", "step", "accept", "cost us", "ms/step", "+ comm ms", "= ms/step",
                   "tok/s no comm", "tok/s", "pays above accept"],
-                 [[p["ctx"], p["batch"], _f(p["temperature"], "g"), step(p), _f(p["accept"], "g"),
+                 [[p["ctx"], p["batch"], _f(p["temperature"], "g"), step_name(p["budget"]), _f(p["accept"], "g"),
                    _f(p["allreduce_us"], "g"), _f(p["ms_per_step"], ".2f"), _f(p["comm_ms"], ".2f"),
                    _f(p["step_ms"], ".2f"), _f(p["tokens_per_s_no_comm"]), _f(p["tokens_per_s"]),
                    _f(p["break_even_accept"], ".2f")] for p in proj]))
@@ -1609,7 +1615,7 @@ def bench_step(a, device, dtype) -> dict:
                          "n_kernels": None if kern is None else k["n_kernels"] - k0["n_kernels"],
                          "ratio": us / kern if kern else None})
     print0(table(["mode", "step", "us", "kernels", "kernels us", "us / kernels us", "same step"],
-                 [[r["mode"], f"DDTree {r['budget']}" if r["budget"] else "AR", _f(r["us"]), _f(r["n_kernels"], ".0f"),
+                 [[r["mode"], step_name(r["budget"]), _f(r["us"]), _f(r["n_kernels"], ".0f"),
                    _f(r["kernels_us"]), _f(r["ratio"], ".2f"), r["same_step"]] for r in rows]))
     floor = graph_node_floor(device) if device.type == "cuda" else []
     if floor:
