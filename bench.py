@@ -1819,8 +1819,8 @@ def linear_table(device, dtype, bw: float) -> dict:
 
 
 def kernel_resources(arch: int = 90) -> dict:
-    """kernels --resources: the INT4 MoE kernels at their shipped settings, and the skinny GEMM with and without its
-    norm prologue (kernels.FUSE["q_norm"]) at the rows the launcher uses it, compiled for sm_{arch} by Triton's own
+    """kernels --resources: the INT4 MoE kernels at their shipped settings, and the skinny GEMM at 16 rows,
+    compiled for sm_{arch} by Triton's own
     compiler, no GPU needed (its ptxas and cuobjdump): registers, spilled stack and shared memory per program, and
     whether the tensor-core path's dots became wgmma (HGMMA) or mma.sync (HMMA), and the instructions a thread issues
     in its main loop (the longest innermost loop), shared-memory loads (LDS) among them. Pointers and the integer
@@ -1847,12 +1847,10 @@ def kernel_resources(arch: int = 90) -> dict:
               dict(mma, out_ptr="*bf16"), dict(GATE_UP=True, S_PAIRS=True, BLOCK_M=16)),    # out: h, in x's dtype
              ("tensor-core down", kernels._moe_mma_kernel, "down", kernels.MOE_MMA_BLOCKS, mma,
               dict(GATE_UP=False, S_PAIRS=True, BLOCK_M=16))]
-    skinny = dict(x_ptr="*bf16", w_ptr="*bf16", norm_ptr="*bf16", part_ptr="*fp32", y_ptr="*bf16", count_ptr="*i32",
-                  N="i32:16", K="i32:16")
-    sk = {"": kernels.SKINNY}
-    for name, norm in (("", False), (", norm prologue", True)):
-        cases.append((f"skinny GEMM{name}", kernels._skinny_kernel, "", sk, skinny,
-                      dict(SPLIT=4, BLOCK_M=kernels.SKINNY_FUSED_MAX_M, IEEE=False, NORM=norm, EPS=1e-6)))
+    skinny = dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", y_ptr="*bf16", count_ptr="*i32", N="i32:16",
+                  K="i32:16")
+    cases.append(("skinny GEMM", kernels._skinny_kernel, "", {"": kernels.SKINNY}, skinny,
+                  dict(SPLIT=4, BLOCK_M=16, IEEE=False)))
     rows = []
     for label, fn, key, blocks, sig, consts in cases:
         cfg = dict(blocks[key])

@@ -3,8 +3,8 @@ Triton fast paths of nano-ddtree: each kernel computes what a plain PyTorch func
 reference), in fewer launches or fewer bytes.
 
     model.py   ops: linear, rms_norm, rope, mla_latent_to_cache, mla_attention
-               parts: Transformer.blocks (each residual add fused into the next norm), MLA.attend (W_UK and the
-               q_a norm in the q_b GEMM, q_pe's rope in attention), MLP.forward (one SwiGLU launch),
+               parts: Transformer.blocks (each residual add fused into the next norm), MLA.attend (q_pe's rope
+               in attention, W_UV's output in o_proj's rows), MLP.forward (one SwiGLU launch),
                Gate.forward (the router), Experts.forward (fused_moe_w4a16), MoE.local (router, routed and shared
                experts as one launcher); the fusions across op boundaries are switches in FUSE
     draft.py   ops: qkv_norm_rope, block_attention; part: Layer.forward
@@ -110,9 +110,7 @@ def _row_warps(block: int) -> int:
 MASK_WORD_BITS = 64     # tree slots one int64 word of a tree-mask row holds (the attention and search kernels)
 # Fusions across a part's op boundaries, each one launch fewer a layer; a switch each, so that bench.py layers
 # --fusions can time the part without it
-FUSE = dict(q_absorb=True,      # MLA: W_UK folded into q_b_proj's weight, so one GEMM gives q_lat | q_pe (no bmm)
-            q_norm=True,        # MLA: q_a_layernorm inside the q_b_proj GEMM, as it loads q_a
-            q_rope=True,        # MLA: q_pe's rope inside the attention kernel, as it loads q_pe
+FUSE = dict(q_rope=True,        # MLA: q_pe's rope inside the attention kernel, as it loads q_pe
             route_prep=True)    # MoE: the route launch also packs x for the MoE GEMV
 
 
@@ -396,35 +394,24 @@ def mla_latent_to_cache(kv, weight, eps, cos, sin, cache, slots):
 # in order (the same bits every run; for a row, whatever the other rows of its tile). One launch.
 
 SKINNY_MAX_M = 64
-SKINNY_FUSED_MAX_M = 16       # rows up to which the norm prologue compiles without spills (sm_90)
 SKINNY = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, max_split=8, waves=1)
 SKINNY_MAX_BLOCKS = 4096      # n blocks with a counter each
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, norm_ptr, part_ptr, y_ptr, count_ptr, M, N, K, K_SPLIT, stride_x,
-                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IEEE: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, PDL: tl.constexpr):
+def _skinny_kernel(x_ptr, w_ptr, part_ptr, y_ptr, count_ptr, M, N, K, K_SPLIT, stride_x, SPLIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                   PDL: tl.constexpr):
     _gdc(PDL)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     x_rows = x_ptr + offs_m[:, None] * stride_x
-    if NORM:                    # x is an RMSNorm's input: first the statistics of its rows over all of K
-        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            xf = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-            ss += tl.sum(xf * xf, 1)
-        rstd = tl.rsqrt(ss / K + EPS)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
-        if NORM:                # rms_norm(x) * weight, rounded as model.rms_norm rounds it
-            x = _scale(tl.load(norm_ptr + k, mask=k < K, other=0.0)[None, :],
-                       (x.to(tl.float32) * rstd[:, None]).to(x.dtype), x.dtype)
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :], mask=n_mask[:, None] & (k < K)[None, :],
                     other=0.0)
         if IEEE:      # fp32 (the interpreter's tests): not tf32
@@ -463,8 +450,8 @@ def linear(x, weight):
     return _skinny(x, weight)
 
 
-def _skinny(x, weight, norm=None):
-    """x [..., K] @ weight [N, K]^T -> [..., N]; norm: a model.RMSNorm applied to x as the GEMM loads it."""
+def _skinny(x, weight):
+    """x [..., K] @ weight [N, K]^T -> [..., N]"""
     (N, K), M = weight.shape, x.numel() // x.shape[-1]
     x2 = x.reshape(M, x.shape[-1])              # a view for contiguous x and row-strided x
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
@@ -474,9 +461,8 @@ def _skinny(x, weight, norm=None):
     part = _empty((split, M, N), torch.float32, x.device) if split > 1 else y
     cfg = {k: SKINNY[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
     _skinny_kernel[(triton.cdiv(N, SKINNY["BLOCK_N"]), split)](
-        x2, weight, weight if norm is None else norm.weight, part, y, _stream_counters(x.device), M, N, K, k_split,
-        x2.stride(0), SPLIT=split, BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32,
-        NORM=norm is not None, EPS=0.0 if norm is None else float(norm.eps), **cfg, **_pdl(x.device))
+        x2, weight, part, y, _stream_counters(x.device), M, N, K, k_split, x2.stride(0), SPLIT=split,
+        BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32, **cfg, **_pdl(x.device))
     return y
 
 
@@ -653,25 +639,11 @@ def _mla_attention(q_lat, q_pe, cache, prefix_len, tree_mask, softmax_scale, rop
 
 
 # MLA's attention part for decode and verify (model.MLA.attend with a cache, absorbed), model.MLA._absorbed's math in
-# fewer launches: W_UK folded into q_b_proj's weight (FUSE["q_absorb"]: one GEMM gives q_lat | q_pe, no bmm), the
-# q_a RMSNorm inside that GEMM (FUSE["q_norm"]), q_pe's rope inside the attention kernel (FUSE["q_rope"]). W_UV
-# multiplies each head's o_lat straight into the [B, T, H, v] rows o_proj reads (one bmm writing a strided view of
-# them); the reference's einsum leaves [H, B*T, v] to copy. (W_UV inside the merge would save the bmm, but a merge
-# program per row and v block would re-read every split's latent row: slower.)
-def _q_absorbed(self) -> torch.Tensor:
-    """q_b_proj's weight with W_UK folded into each head's nope rows: [H * (R+P), q_lora_rank], head h's rows W_UK[h]^T
-    W_q_nope[h] (its q_lat) then W_q_pe[h]; made in fp32 from the two checkpoint tensors, kept until either changes."""
-    q_b, kv_b = self.q_b_proj.weight, self.kv_b_proj.weight
-    key = (q_b.data_ptr(), q_b._version, kv_b.data_ptr(), kv_b._version)
-    if getattr(self, "_q_absorbed_key", None) != key:
-        H, nope, R = self.n_heads, self.nope, self.kv_lora_rank
-        w_q = q_b.float().view(H, nope + self.rope_dim, -1)                              # [H, nope+P, q_lora]
-        w_uk = kv_b.float().view(H, nope + self.v_dim, R)[:, :nope]                      # [H, nope, R]
-        w = torch.cat([torch.einsum("hdr,hdq->hrq", w_uk, w_q[:, :nope]), w_q[:, nope:]], 1)   # [H, R+P, q_lora]
-        self._q_absorbed_w, self._q_absorbed_key = w.flatten(0, 1).to(q_b.dtype), key
-    return self._q_absorbed_w
-
-
+# fewer launches: q_pe's rope inside the attention kernel (FUSE["q_rope"]), and W_UV multiplying each head's o_lat
+# straight into the [B, T, H, v] rows o_proj reads (one bmm writing a strided view of them; the reference's einsum
+# leaves [H, B*T, v] to copy). Measured and left out, each slower: W_UK folded into q_b_proj's weight (3x its bytes
+# at a few rows), the q_a RMSNorm inside the q_b GEMM, W_UV inside the merge (each merge program would re-read every
+# split's latent row).
 def _attend_cache(self, q_lat, q_pe, cache, start_pos, tree_mask, rope):
     """Absorbed attention, then W_UV: q_lat [B, T, H, R], q_pe [B, T, H, P] (not rotated yet: rope = (cos, sin)) ->
     [B, T, H, v]."""
@@ -695,18 +667,10 @@ def _attend_cache(self, q_lat, q_pe, cache, start_pos, tree_mask, rope):
 def mla_attend(self, x, cos, sin, cache, start_pos, tree_mask, absorb, slots):
     (B, T, _), H, R, nope = x.shape, self.n_heads, self.kv_lora_rank, self.nope
     q_a, kv = self.qkv_a_proj(x).split([self.q_lora_rank, R + self.rope_dim], -1)
-    fold = FUSE["q_absorb"] and B * T <= SKINNY_MAX_M     # (more rows: its 2.5x FLOPs, not the bytes, would count)
-    n, w = self.q_a_layernorm, (_q_absorbed(self) if fold else self.q_b_proj.weight)
-    if FUSE["q_norm"] and _skinny_fits(q_a, w) and B * T <= SKINNY_FUSED_MAX_M and n.weight.dtype == q_a.dtype:
-        q = _skinny(q_a, w, norm=n)
-    else:
-        q = _OPS["linear"](n(q_a), w)
-    if fold:
-        q_lat, q_pe = q.view(B, T, H, -1).split([R, self.rope_dim], dim=-1)
-    else:
-        q_nope, q_pe = q.view(B, T, H, -1).split([nope, self.rope_dim], dim=-1)
-        w_uk = self.kv_b_proj.weight.view(H, nope + self.v_dim, R)[:, :nope]                    # [H, nope, R]
-        q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)                                    # [B, T, H, R]
+    q = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, T, H, -1)                              # [B, T, H, qk]
+    q_nope, q_pe = q.split([nope, self.rope_dim], dim=-1)
+    w_uk = self.kv_b_proj.weight.view(H, nope + self.v_dim, R)[:, :nope]                        # [H, nope, R]
+    q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)                                        # [B, T, H, R]
     n = self.kv_a_layernorm
     _OPS["mla_latent_to_cache"](kv, n.weight, n.eps, cos, sin, cache, slots)
     return _attend_cache(self, q_lat, q_pe, cache[:B], start_pos, tree_mask, (cos, sin))

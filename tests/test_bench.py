@@ -541,14 +541,13 @@ def test_compiled_step_does_not_recompile_on_the_collective_counter():
 
 
 def test_kernels_resources_without_a_gpu(capsys):
-    """kernels --resources compiles the MoE kernels and the skinny GEMM (with and without its norm prologue) for sm_90
+    """kernels --resources compiles the MoE kernels and the skinny GEMM for sm_90
     on any machine with triton: each row names a kernel with its registers, and the tensor-core dots are wgmma
     (HGMMA), which W as the dot's rows is for."""
     pytest.importorskip("triton")
     rows = bench.main(["kernels", "--resources", "--device", "cpu"])["kernels"]["rows"]
     assert [r["kernel"] for r in rows] == [
-        "GEMV gate | up", "GEMV down", "tensor-core gate | up", "tensor-core down", "skinny GEMM",
-        "skinny GEMM, norm prologue"]
+        "GEMV gate | up", "GEMV down", "tensor-core gate | up", "tensor-core down", "skinny GEMM"]
     assert all(0 < r["registers"] <= 255 and r["stack_bytes"] >= 0 for r in rows)
     assert all(r["wgmma"] > 0 for r in rows[2:]) and all(r["wgmma"] == 0 for r in rows[:2])
     assert all(0 <= r["loop_lds"] < r["loop_instructions"] for r in rows)      # every kernel has its K loop

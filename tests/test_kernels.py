@@ -535,8 +535,8 @@ def part_inputs(name: str, dtype, T_: int = 5):
                                   "Layer.forward"])
 def test_parts_equal_their_plain_forward(name, dtype, monkeypatch):
     """Each part's launcher == its plain forward as written: the layer stack (each residual add deferred into the next
-    norm; the tapped layers' outputs), MLA's attention (W_UK folded into the q_b weight, the q_a norm inside that
-    GEMM, q_pe's rope inside the attention kernel, each op on its own when unfused; the cache rows it writes too),
+    norm; the tapped layers' outputs), MLA's attention (q_pe's rope inside the attention kernel, on its own when
+    unfused; the cache rows it writes too),
     the SwiGLU MLP (one SwiGLU launch), the drafter's layer (its middle add and norm in one launch). The attention
     part and the MLP run every kernel they launch, under the interpreter too; fused, the attention part never calls
     the ops it folds in."""
@@ -549,8 +549,6 @@ def test_parts_equal_their_plain_forward(name, dtype, monkeypatch):
             raise AssertionError("a fused op ran on its own")
         monkeypatch.setitem(kernels._OPS, "rope", refuse)
         monkeypatch.setitem(kernels._OPS, "mla_attention", refuse)
-        if dtype != torch.float32:        # (fp32 GEMMs are F.linear's: the norm stays on its own)
-            monkeypatch.setitem(kernels._OPS, "rms_norm", refuse)
     module, args = part_inputs(name, dtype)
     ref = functools.reduce(getattr, name.split("."), M if name != "Layer.forward" else Dr).ref
     fits, run = kernels._KERNELS[name]
@@ -575,23 +573,6 @@ def test_parts_equal_their_plain_forward(name, dtype, monkeypatch):
             assert_close(a, b, TOL[dtype], f"{name} taps {dtype}")
     assert got.dtype == want.dtype and got.shape == want.shape
     assert_close(got, want, TOL[dtype], f"{name} {dtype}")
-
-
-@needs_kernels
-def test_attention_part_follows_its_weights(monkeypatch):
-    """The q_b_proj weight with W_UK folded in is made once and kept: a change to either checkpoint tensor in place (an
-    optimizer step, a load) makes it again, so the part never attends with stale weights."""
-    mla, args = part_inputs("MLA.attend", torch.float32)
-    monkeypatch.setattr(kernels, "_gpu", lambda t: True)
-    run = kernels._KERNELS["MLA.attend"][1]
-    with torch.no_grad():
-        run(mla, *args)
-        kept = kernels._q_absorbed(mla)
-        assert kernels._q_absorbed(mla) is kept
-        for w in (mla.q_b_proj.weight, mla.kv_b_proj.weight):
-            w.mul_(1.5)
-            assert_close(run(mla, *args), M.MLA.attend.ref(mla, *args), TOL[torch.float32], "after a weight change")
-        assert kernels._q_absorbed(mla) is not kept
 
 
 @needs_kernels
@@ -733,26 +714,6 @@ def test_linear_kernel(M_, N, K, dtype, monkeypatch):
         assert torch.equal(launch("linear", x[:1], w), y[:1]), "a row's result depends on the rows beside it"
     wide = torch.cat([x, torch.randn(M_, 8, generator=g).to(dtype).to(KERNEL_DEVICE)], dim=1)[:, :K]
     assert torch.equal(launch("linear", wide, w), y)
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype", [d for d in KERNEL_DTYPES if KERNEL_DEVICE == "cpu" or d != torch.float32], ids=str)
-@pytest.mark.parametrize("M_, N, K", [(1, 96, 256), (9, 200, 384), (33, 64, 1000)])
-def test_linear_kernel_fuses_the_norm_before_it(M_, N, K, dtype, monkeypatch):
-    """The skinny GEMM with its input's RMSNorm (the q_a norm before q_b_proj) done as it loads each tile == the norm,
-    then F.linear: K split over programs, each taking a row's statistics over all of K; the input read in place (a
-    slice of the q_a | kv_a GEMM's rows)."""
-    monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
-    g = torch.Generator().manual_seed(M_ + N + K)
-    rnd = lambda *shape: (torch.randn(*shape, generator=g) * 3).to(dtype).to(KERNEL_DEVICE)
-    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype).to(KERNEL_DEVICE)
-    norm = M.RMSNorm(K, 1e-6).to(dtype).to(KERNEL_DEVICE)
-    with torch.no_grad():
-        norm.weight.copy_(rnd(K))
-    x = rnd(M_, K + 40)[:, :K]                                            # row-strided, as MLA.attend's q_a
-    assert kernels._skinny_split(N, K, KERNEL_DEVICE) > 1
-    want = F.linear(M.rms_norm.ref(x, norm.weight, norm.eps), w)
-    assert_close(kernels._skinny(x, w, norm=norm), want, TOL[dtype], f"norm, linear {M_}x{N}x{K} {dtype}")
 
 
 @needs_kernels
@@ -1171,30 +1132,30 @@ class MatmulLaunches(torch.utils._python_dispatch.TorchDispatchMode):
 
 @needs_kernels
 def test_moe_layer_launches(monkeypatch):
-    """A K2.6-shaped MoE layer's decode step (bench.layer_step: per-rank TP8 shapes, shrunk) launches 18 kernels (17
-    Triton, absorbed MLA's W_UV bmm; 15 in order, the shared experts' three beside them), and each fusion of
-    kernels.FUSE saves one launch: off, the step launches one more, the kernel it folds in (for W_UK: a bmm)."""
+    """A K2.6-shaped MoE layer's decode step (bench.layer_step: per-rank TP8 shapes, shrunk) launches 20 kernels (18
+    Triton, absorbed MLA's W_UK and W_UV bmms; 17 in order, the shared experts' three beside them), and each fusion of
+    kernels.FUSE saves one launch: off, the step launches one more, the kernel it folds in."""
     import bench
     monkeypatch.setattr(kernels, "_gpu", lambda t: True)                   # (the interpreter's CPU tensors)
     args, block = bench.build_block(bench.k26_text_config("tiny"), 1, 8, KERNEL_DEVICE, torch.float16, 0)
     s = bench.step_inputs(args, 1, 64, "random", KERNEL_DEVICE, torch.float16, 0)
     cache = torch.randn(1, 65, args.kv_lora_rank + args.qk_rope_head_dim).half().to(KERNEL_DEVICE)
     step = bench.layer_step(block, s, cache)
-    folded = dict(q_absorb="aten.bmm", q_norm="_rms_norm_kernel", q_rope="_rope_kernel", route_prep="_moe_prep_f16")
+    folded = dict(q_rope="_rope_kernel", route_prep="_moe_prep_f16")
     assert set(folded) == set(kernels.FUSE)
     with torch.no_grad():
         step()
         names = count_triton_launches(monkeypatch)
         with MatmulLaunches(names):
             step()
-        assert len(names) == 18 and names.count("aten.bmm") == 1, names
+        assert len(names) == 20 and names.count("aten.bmm") == 2, names
         for fusion, kernel in folded.items():
             names.clear()
             monkeypatch.setitem(kernels.FUSE, fusion, False)
             with MatmulLaunches(names):
                 step()
             monkeypatch.setitem(kernels.FUSE, fusion, True)
-            assert len(names) == 19 and kernel in names, (fusion, names)
+            assert len(names) == 21 and kernel in names, (fusion, names)
 
 
 def test_moe_part_stream_order(monkeypatch):
