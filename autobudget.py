@@ -14,6 +14,7 @@ Tests: python -m pytest -q tests/test_auto.py
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -114,14 +115,21 @@ class AutoBudget:
     steps), a stretch of one-token steps follows (plain decoding, the drafter idle), then a probe:
     catch_up gives the drafter what it missed and trees run again. Each step fades the mean's past
     by KEEP, so the probe counts most. Each time trees stop paying the next stretch doubles (up to
-    MAX_STRETCH); it resets once a run of trees has paid for a block of steps after its probe. A
-    stretch lasts a block at least (min_stretch): each catch_up costs a target forward."""
+    max_stretch); it resets once a run of trees has paid for a block of steps after its probe. A
+    stretch lasts a block at least (min_stretch): each catch_up costs a target forward. Where a tree
+    costs many one-token steps (large batches), the longest stretch grows with the ratio, so probes
+    that fail take at most PROBE_SHARE of the decoding time."""
     KEEP = 0.97           # the running mean's weight on its past, per step (its memory: ~30 steps)
     MIN_RUN = 3           # tree steps in a run before the controller may leave trees
-    MAX_STRETCH = 256     # one-token steps between two probes, at most
+    MAX_STRETCH = 256     # one-token steps between two probes, at most (where the ratio is small)
+    PROBE_SHARE = 0.02    # the decoding time that probes which fail may take, at most
 
     def __init__(self, ratio: float, block_size: int):
         self.ratio, self.min_stretch = ratio, block_size
+        # a probe that fails costs its MIN_RUN trees beyond the tokens they commit, and a catch_up
+        # (about a tree): (MIN_RUN + 1) x ratio - MIN_RUN one-token steps, against the stretch before it
+        cost = (self.MIN_RUN + 1) * ratio - self.MIN_RUN
+        self.max_stretch = max(self.MAX_STRETCH, math.ceil(cost / self.PROBE_SHARE))
         self.stretch = block_size          # the length of the next stretch of one-token steps
         self.stretch_left = 0              # one-token steps left in this stretch
         self.since_tree = 0                # one-token steps since the last tree (or prefill)
@@ -148,5 +156,5 @@ class AutoBudget:
         if self.run_len > self.min_stretch and self.run_tokens > self.ratio * (self.run_len - 1):
             self.stretch = self.min_stretch    # trees have paid for a block: the text is easy again
         if self.run_len >= self.MIN_RUN and self.mean <= self.ratio:
-            self.stretch_left, self.stretch = self.stretch, min(2 * self.stretch, self.MAX_STRETCH)
+            self.stretch_left, self.stretch = self.stretch, min(2 * self.stretch, self.max_stretch)
             self.run_len, self.run_tokens = 0, 0.0
