@@ -16,9 +16,9 @@ Modes:
           greedy and temperature 1: tokens/s, speedup over autoregressive, mean accept length and histogram,
           time per stage (draft / tree / verify / commit), peak memory, and whether greedy speculative output
           equals autoregressive output token for token ("lossless").
-          --one-rank-of N: rank 0 of TP N, whole, on one device in one process: the step times of AR and DDTree
-          at each budget with the collectives NOT run (each a no-op that counts its calls), the collectives per
-          step, and tok/s projected at given accept lengths and a stated cost per collective.
+          --one-rank-of N: rank 0 of TP N, whole, on one device in one process: the step times of AR, DDTree
+          at each budget and auto with the collectives NOT run (each a no-op that counts its calls), the
+          collectives per step, and tok/s projected at given accept lengths and a stated cost per collective.
   step    one decode step of the e2e pair (AR and DDTree), replayed from the same inputs in each step mode
           (static, graph, compile, graph+compile): its time against the summed time of the kernels it launches,
           and what a CUDA graph of N trivial kernels costs on this GPU (the per-node floor).
@@ -194,8 +194,8 @@ def _f(x, spec: str = ".1f") -> str:
 
 
 def step_name(budget) -> str:
-    """A row's step as the tables print it: AR (no budget) or DDTree <budget>."""
-    return f"DDTree {budget}" if budget else "AR"
+    """A row's step as the tables print it: AR (no budget), DDTree <budget> or auto (--budget auto)."""
+    return "auto" if budget == "auto" else f"DDTree {budget}" if budget else "AR"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -640,19 +640,20 @@ def synthetic_prompt(n: int, vocab: int, seed: int) -> list[int]:
 @torch.no_grad()
 def bench_one_rank(a, device, dtype) -> dict:
     """e2e --one-rank-of N: rank 0 of TP N in this one process (collectives_not_run): for each --ctx (a synthetic
-    prompt of that many tokens), --temperature and step (AR, then DDTree at each --budgets): a warm-up decode
+    prompt of that many tokens), --temperature and step (AR, then each --budgets: DDTree or auto): a warm-up decode
     from its first 16 tokens (kernels compiled, CUDA graphs captured), then a timed decode of --max-new-tokens by
     generate(mode=--step-mode). ms per step = decode time / steps: all the loop does after the first token. --batch:
     each batch size B decodes B such prompts together (generate_batch), and the step's top kernels are profiled. The
-    collectives per step are counted with their bytes (step_collectives). Projection: total tok/s = B x accept /
-    (ms per step + the collectives' time, project_one_rank)."""
+    collectives per step are counted with their bytes (step_collectives; auto: its steps' mix of the AR and the
+    tree step's). Projection: total tok/s = B x accept / (ms per step + the collectives' time, project_one_rank)."""
     import generate as G
     if M.world_size > 1:
         raise ValueError("--one-rank-of runs in one process: run it without torchrun")
     tp = a.one_rank_of
     ckpt, draft_dir = _e2e_paths(a)
     steps = [0] + (list(a.budgets) if draft_dir else [])
-    widest, batches = max(steps) + 1, a.batch or [1]
+    counted = sorted({G.AUTO_BUDGET if b == "auto" else b for b in steps})     # the steps whose collectives count
+    widest, batches = max(counted) + 1, a.batch or [1]
     with collectives_not_run(tp) as counts:
         target = C.load_model(ckpt, device, dtype, progress=False)
         drafter = C.load_drafter(draft_dir, target.args, device, dtype) if draft_dir else None
@@ -670,7 +671,7 @@ def bench_one_rank(a, device, dtype) -> dict:
         if drafter is not None:
             drafter.setup_cache(max(batches), 2 + 2 * widest + 8)
         per_step = {(t, b, n): step_collectives(target, drafter, b, (t, 0, 1.0), counts, n)
-                    for t in a.temperature for b in steps for n in batches}
+                    for t in a.temperature for b in counted for n in batches}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         rows = []
@@ -690,12 +691,17 @@ def bench_one_rank(a, device, dtype) -> dict:
                                          a.max_new_tokens if a.warmup < 0 else a.warmup, **kw)
                     st = G.Stats()
                     G.generate_batch(target, prompts, a.max_new_tokens, stats=st, **kw)
-                    n, c = len(st.step_s), per_step[temp, b, B]
+                    n = len(st.step_s)
+                    c = (per_step[temp, b, B] if b != "auto" else     # auto: its steps' mix (catch_up not counted)
+                         mix_collectives({k: per_step[temp, k, B] for k in st.budgets}, st.budgets))
                     step = G.get_step(target, kw["drafter"], B, max_seq_len, b, False, (temp, 0, 1.0), "eager",
-                                      steps=kept)       # kernel_times profiles eager launches
+                                      steps=kept) if b != "auto" else None  # kernel_times profiles eager launches
                     top = (kernel_times(lambda: step.launch(step.tree_step if b else step.token_step), device, top=6)
-                           if a.batch else {})       # every row has finished: a step now commits nothing
-                    rows.append({"ctx": ctx, "batch": B, "temperature": temp, "mode": "ddtree" if b else "ar",
+                           if a.batch and step else {})   # every row has finished: a step now commits nothing
+                    rows.append({"ctx": ctx, "batch": B, "temperature": temp,
+                                 "mode": "auto" if b == "auto" else "ddtree" if b else "ar",
+                                 "budget_mix": st.budget_mix() if b == "auto" else None,
+                                 "budget_steps": dict(st.budgets),
                                  "budget": b or None, "steps": n, "decode_s": st.decode_s,
                                  "ms_per_step": 1e3 * st.decode_s / n, "mean_accept": st.mean_accept,
                                  "prefill_s": st.prefill_s, "all_reduce": c.get("all_reduce", 0),
@@ -717,6 +723,16 @@ def bench_one_rank(a, device, dtype) -> dict:
             "rows": rows, "projection": proj}
 
 
+def mix_collectives(per_budget: dict, steps: collections.Counter) -> collections.Counter:
+    """The collectives of a mix of steps (--budget auto's), per step: each budget's counts (per_budget[budget], a
+    Counter) weighted by its share of the steps."""
+    n, out = sum(steps.values()), collections.Counter()
+    for b, k in steps.items():
+        for name, v in per_budget[b].items():
+            out[name] += v * k / n
+    return out
+
+
 COLLECTIVES_NOT_RUN = ("the collectives did not run: each was a no-op that counted its calls and bytes; the step "
                        "times exclude them and the tok/s add them at a stated latency per call plus the ring's bytes "
                        "at a stated bus bandwidth (--allreduce-us, --allreduce-gbps)")
@@ -727,8 +743,8 @@ def project_one_rank(rows: list[dict], accepts: list[float], costs_us: list[floa
     """Per measured row and per latency: step ms = measured ms + the collectives' time, each call `cost` us plus its
     bytes x 2(tp-1)/tp (what a ring moves per rank) over the bus bandwidth; total tok/s = batch x tokens per step /
     step ms, where tokens per step is 1 for AR and each of `accepts` for DDTree (acceptance measured on random
-    weights means nothing, so it is given, not taken from the run). Every collective (the lm_head's all-gather too)
-    is charged as one all-reduce."""
+    weights means nothing, so it is given, not taken from the run), and for auto the mean it measured (its choices
+    follow it). Every collective (the lm_head's all-gather too) is charged as one all-reduce."""
     def comm_ms(r, cost):
         return r["collectives"] * cost / 1e3 + r["collective_bytes"] * 2 * (tp - 1) / tp / (bus_gbps * 1e9) * 1e3
 
@@ -740,8 +756,8 @@ def project_one_rank(rows: list[dict], accepts: list[float], costs_us: list[floa
             comm = comm_ms(r, cost)
             ms = r["ms_per_step"] + comm
             # the accept at which this step's tok/s equals AR's: what --budget auto weighs a tree against
-            even = ms / (ar["ms_per_step"] + comm_ms(ar, cost)) if ar and r["mode"] != "ar" else None
-            for acc in ([1.0] if r["mode"] == "ar" else accepts):
+            even = ms / (ar["ms_per_step"] + comm_ms(ar, cost)) if ar and r["mode"] == "ddtree" else None
+            for acc in {"ar": [1.0], "auto": [r["mean_accept"]]}.get(r["mode"], accepts):
                 out.append({"ctx": r["ctx"], "batch": r["batch"], "temperature": r["temperature"],
                             "mode": r["mode"], "budget": r["budget"], "accept": acc, "allreduce_us": cost,
                             "ms_per_step": r["ms_per_step"], "comm_ms": comm, "step_ms": ms,
@@ -755,7 +771,7 @@ def print_one_rank(tp: int, rows: list[dict], proj: list[dict], accepts: list[fl
     print0(table(["ctx", "batch", "temp", "step", "steps", "ms/step", "all-reduces/step", "all-gathers/step",
                   "collectives/step", "MB/step", "accept here", "prefill s"],
                  [[r["ctx"], r["batch"], _f(r["temperature"], "g"), step_name(r["budget"]), r["steps"],
-                   _f(r["ms_per_step"], ".2f"), r["all_reduce"], r["all_gather"], r["collectives"],
+                   _f(r["ms_per_step"], ".2f"), *(_f(r[k], ".4g") for k in ("all_reduce", "all_gather", "collectives")),
                    _f(r["collective_bytes"] / 1e6, ".2f"),
                    _f(r["mean_accept"], ".2f"), _f(r["prefill_s"], ".2f")] for r in rows]))
     print0(f"ms/step: measured on rank 0 of TP{tp} with the collectives not run (decode time / steps"
@@ -767,14 +783,16 @@ def print_one_rank(tp: int, rows: list[dict], proj: list[dict], accepts: list[fl
         if r.get("top_kernels"):
             print0(f"  top kernels, ctx {r['ctx']} batch {r['batch']} {step_name(r['budget'])} (us per step): "
                    + "; ".join(f"{name} {us}" for name, us in r["top_kernels"]))
+        if r["mode"] == "auto":
+            print0(f"  auto, ctx {r['ctx']} batch {r['batch']}: steps per budget {r['budget_mix']} (0: one token)")
     print0(f"\nprojected TP{tp} decode, NOT MEASURED: total tok/s = batch x accept / (ms/step + comm), comm = every "
            f"collective at {', '.join(f'{c:g}' for c in costs_us)} us (--allreduce-us) + its bytes x 2({tp}-1)/{tp} "
            f"at {bus_gbps:g} GB/s (--allreduce-gbps, a ring's bus bandwidth): given figures, not measured here "
            f"(`torchrun ... bench.py allreduce` measures them); AR commits 1 token per row and step, DDTree the "
-           f"given accept ({', '.join(f'{x:g}' for x in accepts)}; --accept)")
+           f"given accept ({', '.join(f'{x:g}' for x in accepts)}; --accept), auto the accept it measured")
     print0(table(["ctx", "batch", "temp", "step", "accept", "cost us", "ms/step", "+ comm ms", "= ms/step",
                   "tok/s no comm", "tok/s", "pays above accept"],
-                 [[p["ctx"], p["batch"], _f(p["temperature"], "g"), step_name(p["budget"]), _f(p["accept"], "g"),
+                 [[p["ctx"], p["batch"], _f(p["temperature"], "g"), step_name(p["budget"]), _f(p["accept"], ".3g"),
                    _f(p["allreduce_us"], "g"), _f(p["ms_per_step"], ".2f"), _f(p["comm_ms"], ".2f"),
                    _f(p["step_ms"], ".2f"), _f(p["tokens_per_s_no_comm"]), _f(p["tokens_per_s"]),
                    _f(p["break_even_accept"], ".2f")] for p in proj]))
@@ -2109,7 +2127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     o = p.add_argument_group("e2e --one-rank-of N: rank 0 of tensor-parallel size N on one device, collectives NOT run")
     o.add_argument("--one-rank-of", type=int, default=None, metavar="N",
                    help="build rank 0's exact shapes of TP N in this one process (no process group) and time the real "
-                   "decoding step (AR and DDTree at each --budgets; synthetic prompts of each --ctx tokens). The "
+                   "decoding step (AR, and DDTree or auto at each --budgets; synthetic prompts of each --ctx tokens). The "
                    "collectives do NOT run: each is a no-op that counts its calls; their cost is projected at "
                    "--allreduce-us per call")
     o.add_argument("--allreduce-gbps", type=float, default=360.0,
@@ -2226,8 +2244,6 @@ def check_one_rank_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> No
         p.error("--one-rank-of: e2e only")
     if not a.allreduce_gbps > 0 or a.allreduce_gbps == float("inf"):
         p.error(f"--allreduce-gbps: a finite bandwidth > 0, got {a.allreduce_gbps}")
-    if "auto" in a.budgets:
-        p.error("--one-rank-of times fixed steps: --budgets takes node budgets, not auto")
     if a.max_new_tokens < 2:
         p.error(f"--one-rank-of: --max-new-tokens must be >= 2 (the first token comes from prefill; the steps "
                 f"follow), got {a.max_new_tokens}")

@@ -466,6 +466,25 @@ def test_e2e_one_rank_of_batch(capsys):
     assert "batch" in printed and "pays above accept" in printed
 
 
+def test_e2e_one_rank_of_auto(capsys):
+    """--budgets auto with --one-rank-of: --budget auto's decode timed beside the fixed steps; its collectives per
+    step are its steps' mix of the AR and the tree step's, and its projection takes the accept it measured."""
+    e, printed = one_rank(2, capsys, "--budgets", "4,auto", "--max-new-tokens", "12", "--accept", "4")
+    args, dargs = C.model_args("random:tiny"), C.draft_args("random:tiny-dflash")
+    target_ar, draft_ar = 1 + 2 * args.num_hidden_layers, 2 + 2 * dargs.num_hidden_layers
+    assert [r["mode"] for r in e["rows"]] == ["ar", "ddtree", "auto"]
+    auto = e["rows"][-1]
+    steps = {int(k): v for k, v in auto["budget_steps"].items()}
+    assert auto["budget"] == "auto" and set(steps) <= {0, G.AUTO_BUDGET} and sum(steps.values()) == auto["steps"]
+    trees = steps.get(G.AUTO_BUDGET, 0) / auto["steps"]
+    assert trees > 0                                     # auto starts with trees (it knows nothing yet)
+    assert close(auto["all_reduce"], target_ar + draft_ar * trees) and close(auto["all_gather"], 1 + trees)
+    (p,) = [p for p in e["projection"] if p["mode"] == "auto"]
+    assert p["accept"] == auto["mean_accept"] >= 1 and p["break_even_accept"] is None
+    assert close(p["tokens_per_s_no_comm"], 1e3 * p["accept"] / auto["ms_per_step"])
+    assert f"auto, ctx 12 batch 1: steps per budget {auto['budget_mix']}" in printed
+
+
 def test_e2e_one_rank_of_1_has_no_collectives(capsys):
     e, _ = one_rank(1, capsys)
     assert [r["collectives"] for r in e["rows"]] == [0, 0] and all(r["collective_calls"] == {} for r in e["rows"])
@@ -513,7 +532,6 @@ def test_one_rank_of_bad_values(value, message, capsys):
 
 def test_one_rank_of_bad_combinations(capsys):
     for argv, message in [(["layers", "--one-rank-of", "8"], "--one-rank-of: e2e only"),
-                          (["e2e", "--one-rank-of", "8", "--budgets", "auto"], "not auto"),
                           (["e2e", "--one-rank-of", "8", "--accept", "0.5"], "--accept: tokens per step"),
                           (["e2e", "--one-rank-of", "8", "--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
                           (["layers", "--allreduce-us", "20,10"], "--allreduce-us: one cost"),
