@@ -691,9 +691,8 @@ def bench_one_rank(a, device, dtype) -> dict:
                                          a.max_new_tokens if a.warmup < 0 else a.warmup, **kw)
                     st = G.Stats()
                     G.generate_batch(target, prompts, a.max_new_tokens, stats=st, **kw)
-                    n = len(st.step_s)
-                    c = (per_step[temp, b, B] if b != "auto" else     # auto: its steps' mix (catch_up not counted)
-                         mix_collectives({k: per_step[temp, k, B] for k in st.budgets}, st.budgets))
+                    n = len(st.step_s)       # the collectives of the steps it ran (auto: a mix; catch_up not counted)
+                    c = mix_collectives({k: per_step[temp, k, B] for k in st.budgets}, st.budgets)
                     step = G.get_step(target, kw["drafter"], B, max_seq_len, b, False, (temp, 0, 1.0), "eager",
                                       steps=kept) if b != "auto" else None  # kernel_times profiles eager launches
                     top = (kernel_times(lambda: step.launch(step.tree_step if b else step.token_step), device, top=6)
@@ -724,8 +723,8 @@ def bench_one_rank(a, device, dtype) -> dict:
 
 
 def mix_collectives(per_budget: dict, steps: collections.Counter) -> collections.Counter:
-    """The collectives of a mix of steps (--budget auto's), per step: each budget's counts (per_budget[budget], a
-    Counter) weighted by its share of the steps."""
+    """The collectives per step of the steps a decode ran (steps: budget -> steps; 0: one token): each budget's counts
+    (per_budget[budget], a Counter) weighted by its share of the steps (a fixed budget: its own counts; auto: a mix)."""
     n, out = sum(steps.values()), collections.Counter()
     for b, k in steps.items():
         for name, v in per_budget[b].items():
