@@ -51,7 +51,7 @@ class AutoStep:
         ratio = [sorted(pairs)[3]]
         if M.world_size > 1:
             torch.distributed.broadcast_object_list(ratio, src=0)
-        self.control = AutoBudget(ratio[0], bs)
+        self.control = AutoBudget(ratio[0], bs, batch)
 
     def next_step(self, fits: bool, prompts: list[list[int]], outs: list[list[int]], hook=None):
         """One step for every row, a tree or one token as the controller says (one token when a
@@ -63,7 +63,7 @@ class AutoStep:
             self.catch_up_on([p + o for p, o in zip(prompts, outs)], c.since_tree)
         rows = s.run(s.tree_step if is_tree else s.token_step, hook)
         live = [len(new) for new in rows if new]          # finished rows commit nothing
-        c.observe(is_tree, sum(live) / len(live))
+        c.observe(is_tree, sum(live) / len(live), len(live))
         return rows
 
     def catch_up(self, hook=None) -> None:
@@ -111,8 +111,9 @@ class AutoStep:
 class AutoBudget:
     """The controller: tree steps while the running mean of the tokens a tree step commits exceeds
     `ratio`, a tree step's time over a one-token step's: the first depends on the text and the
-    temperature, the second on the machine. When trees stop paying (judged after MIN_RUN tree
-    steps), a stretch of one-token steps follows (plain decoding, the drafter idle), then a probe:
+    temperature, the second on the machine. When trees stop paying (judged after MIN_RUN rows'
+    tree steps: a batch's rows are separate texts, so 3 steps at one row, 1 at 3 rows or more),
+    a stretch of one-token steps follows (plain decoding, the drafter idle), then a probe:
     catch_up gives the drafter what it missed and trees run again. Each step fades the mean's past
     by KEEP, so the probe counts most. Each time trees stop paying the next stretch doubles (up to
     max_stretch); it resets once a run of trees has paid for a block of steps after its probe. A
@@ -120,20 +121,23 @@ class AutoBudget:
     costs many one-token steps (large batches), the longest stretch grows with the ratio, so probes
     that fail take at most PROBE_SHARE of the decoding time."""
     KEEP = 0.97           # the running mean's weight on its past, per step (its memory: ~30 steps)
-    MIN_RUN = 3           # tree steps in a run before the controller may leave trees
+    MIN_RUN = 3           # rows' tree steps in a run before the controller may leave trees
     MAX_STRETCH = 256     # one-token steps between two probes, at most (where the ratio is small)
     PROBE_SHARE = 0.02    # the decoding time that probes which fail may take, at most
 
-    def __init__(self, ratio: float, block_size: int):
+    def __init__(self, ratio: float, block_size: int, rows: int = 1):
         self.ratio, self.min_stretch = ratio, block_size
-        # a probe that fails costs its MIN_RUN trees beyond the tokens they commit, and a catch_up
-        # (about a tree): (MIN_RUN + 1) x ratio - MIN_RUN one-token steps, against the stretch before it
-        cost = (self.MIN_RUN + 1) * ratio - self.MIN_RUN
+        # a probe that fails costs its run of trees (MIN_RUN / rows, rounded up) beyond the tokens they
+        # commit, and a catch_up (about a tree): (run + 1) x ratio - run one-token steps, against the
+        # stretch before it
+        run = math.ceil(self.MIN_RUN / rows)
+        cost = (run + 1) * ratio - run
         self.max_stretch = max(self.MAX_STRETCH, math.ceil(cost / self.PROBE_SHARE))
         self.stretch = block_size          # the length of the next stretch of one-token steps
         self.stretch_left = 0              # one-token steps left in this stretch
         self.since_tree = 0                # one-token steps since the last tree (or prefill)
         self.run_len = 0                   # tree steps in this run
+        self.run_rows = 0                  # the rows they committed for, summed over the steps
         self.run_tokens = 0.0              # the tokens they committed, after the first
         self.mean, self.weight = 0.0, 0.0  # running mean of tokens per tree step per row, weight
 
@@ -144,17 +148,18 @@ class AutoBudget:
             return False
         return True
 
-    def observe(self, tree: bool, tokens: float) -> None:
-        """A step ran and committed `tokens` per decoding row."""
+    def observe(self, tree: bool, tokens: float, rows: int = 1) -> None:
+        """A step ran and committed `tokens` per decoding row, on `rows` decoding rows."""
         self.weight *= self.KEEP
         if not tree:
             self.since_tree += 1
             return
         self.run_tokens += tokens if self.run_len else 0.0
         self.since_tree, self.run_len, self.weight = 0, self.run_len + 1, self.weight + 1
+        self.run_rows += rows
         self.mean += (tokens - self.mean) / self.weight
         if self.run_len > self.min_stretch and self.run_tokens > self.ratio * (self.run_len - 1):
             self.stretch = self.min_stretch    # trees have paid for a block: the text is easy again
-        if self.run_len >= self.MIN_RUN and self.mean <= self.ratio:
+        if self.run_rows >= self.MIN_RUN and self.mean <= self.ratio:
             self.stretch_left, self.stretch = self.stretch, min(2 * self.stretch, self.max_stretch)
-            self.run_len, self.run_tokens = 0, 0.0
+            self.run_len, self.run_rows, self.run_tokens = 0, 0, 0.0

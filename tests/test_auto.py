@@ -225,14 +225,14 @@ def test_auto_adds_no_host_read(target, drafter, monkeypatch):
 # ---- the controller alone, on synthetic feeds: `tokens` per tree step, one per one-token step
 
 
-def drive(c, steps, tokens):
-    """Run c for `steps` steps on a text where a tree commits `tokens` (a one-token step: 1); returns the picks and
-    c.since_tree before each pick."""
+def drive(c, steps, tokens, rows=1):
+    """Run c for `steps` steps of `rows` rows on a text where a tree commits `tokens` a row (a one-token step: 1);
+    returns the picks and c.since_tree before each pick."""
     picks, gaps = [], []
     for _ in range(steps):
         gaps.append(c.since_tree)
         picks.append(c.tree())
-        c.observe(picks[-1], tokens if picks[-1] else 1)
+        c.observe(picks[-1], tokens if picks[-1] else 1, rows)
     return picks, gaps
 
 
@@ -255,21 +255,33 @@ def test_controller_leaves_trees_that_never_pay():
     assert all(g == 0 or g >= c.min_stretch for p, g in zip(picks, gaps) if p)
 
 
-@pytest.mark.parametrize("ratio", [1.6, 6.8, 40.0])
-def test_controller_probes_cost_a_small_share_where_trees_never_pay(ratio):
+@pytest.mark.parametrize("ratio, rows", [(1.6, 1), (6.8, 1), (40.0, 1), (6.8, 64)])
+def test_controller_probes_cost_a_small_share_where_trees_never_pay(ratio, rows):
     """Trees that commit 1 token where a tree costs `ratio` one-token steps (6.8: K2.6 at 64 requests; 1.6: the bundled
     pair at one): once the stretches have grown, the decoding time (a tree counted as `ratio` one-token steps, each
     catch_up as one more tree) stays within PROBE_SHARE of one token a step; at a small ratio the longest stretch is
-    MAX_STRETCH (the probes come as often as before), at a large one it is longer."""
-    c = A.AutoBudget(ratio, 16)
+    MAX_STRETCH (the probes come as often as before), at a large one it is longer, less so for a batch, whose
+    probes are one tree each."""
+    c = A.AutoBudget(ratio, 16, rows)
     steps = 4 * c.max_stretch
-    drive(c, steps, 1)                                               # the stretches grow to max_stretch
+    drive(c, steps, 1, rows)                                         # the stretches grow to max_stretch
     assert c.stretch == c.max_stretch
     assert (c.max_stretch == c.MAX_STRETCH) == (ratio == 1.6)
-    picks, gaps = drive(c, steps, 1)
+    assert (c.max_stretch < A.AutoBudget(ratio, 16).max_stretch) == (rows > 1)
+    picks, gaps = drive(c, steps, 1, rows)
     probes = sum(1 for p, g in zip(picks, gaps) if p and g > 0)     # each after a stretch: one catch_up
     time = picks.count(False) + ratio * (picks.count(True) + probes)
     assert probes >= 2 and time / steps <= 1 + c.PROBE_SHARE
+
+
+@pytest.mark.parametrize("rows, run", [(1, 3), (2, 2), (3, 1), (64, 1)])
+def test_controller_judges_a_batch_by_its_rows(rows, run):
+    """Each row of a batch is a text of its own, one sample of what a tree commits: trees that never pay are left after
+    MIN_RUN rows' tree steps (3 steps at one row, 2 at two rows, 1 at three or more), and each probe is as long."""
+    c = A.AutoBudget(6.8, 4, rows)
+    picks, _ = drive(c, 40, 1, rows)
+    assert picks[:run + 4] == [True] * run + [False] * 4
+    assert all(n == run for n in (len(list(g)) for k, g in itertools.groupby(picks) if k))
 
 
 def test_controller_hands_back_to_trees_when_they_pay():
