@@ -678,15 +678,14 @@ def mla_attend(self, x, cos, sin, cache, start_pos, tree_mask, absorb, slots):
 
 # ----------------------------------------------------------------------------------------------------------
 # 3. The noaux_tc router (model.py): logits = x @ weight^T in fp32, sigmoid scores, top-k of score + bias, weights =
-# the chosen scores renormalized and scaled. Reference: model.Gate.forward. Two launches for T <= ROUTER_MAX_T: the
-# matmul in programs of BLOCK_E experts x one slice of D (the fp32 weight streamed once; cuBLAS's fp32 GEMM at a few
-# rows is slower), where the last slice of an expert block to finish sums the block's slices in a fixed order (the
-# same bits every run); then one program per token routes it, and the last of them to finish sorts the (token, k)
-# pairs by expert for the routed experts (_sort_pairs), which fused_moe_w4a16 reads instead of sorting them again;
-# beside each token's routing program, programs that pack x for the MoE GEMV (_prep_block), which it reads too.
+# the chosen scores renormalized and scaled. Reference: model.Gate.forward. Two launches: the matmul in programs of
+# BLOCK_T tokens x BLOCK_E experts x one slice of D (on tensor cores; cuBLAS's fp32 GEMM is slower at any row count),
+# where the last slice of a block to finish sums the block's slices in a fixed order (the same bits every run); then
+# one program per token routes it, and the last of them to finish sorts the (token, k) pairs by expert for the routed
+# experts (_sort_pairs), which fused_moe_w4a16 reads instead of sorting them again; beside each token's routing
+# program, programs that pack x for the MoE GEMV (_prep_block), which it reads too.
 
-ROUTER_MAX_T = 64       # more tokens (prefill): F.linear, where cuBLAS's tiles are full, then _route_kernel
-ROUTER_BLOCKS = dict(BLOCK_E=32, BLOCK_D=64, num_warps=4, num_stages=3)
+ROUTER_BLOCKS = dict(BLOCK_T=64, BLOCK_E=32, BLOCK_D=64, num_warps=4, num_stages=3)   # BLOCK_T: at most
 
 
 @triton.jit
@@ -748,14 +747,14 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, count_ptr, pair_ids_ptr,
 def _router_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, count_ptr, N, E, D, D_SPLIT, N_SPLIT: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BF16: tl.constexpr,
                    PDL: tl.constexpr):
-    # Program (e block, split): partial logits over columns split*D_SPLIT.. of D -> part[split, t, e], all N tokens;
-    # the block's last program to finish sums its N_SPLIT partials -> logits[t, e].
+    # Program (e block, split, t block): partial logits over columns split*D_SPLIT.. of D -> part[split, t, e]; the
+    # block's last program to finish sums its N_SPLIT partials -> logits[t, e].
     # SPLIT_BF16 (GPU): each operand as hi + lo bf16 and three tensor-core dots with fp32 accumulation (lo x lo is
     # below fp32 rounding); for bf16 x and a bf16 checkpoint weight the lo parts are 0 and every product is exact,
     # so only the summation order differs from F.linear in fp32. Else (the interpreter, whose bf16 dot is wrong):
     # one fp32 dot (on a GPU a plain fp32 tl.dot lowers to FMAs, slower than cuBLAS).
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    offs_t = tl.arange(0, BLOCK_T)
+    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     e_mask, t_mask = offs_e < E, offs_t < N
     _gdc(PDL)
@@ -776,7 +775,7 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, count_ptr, N, E, D, D_SPL
     tile = offs_t[:, None] * E + offs_e[None, :]
     mask = t_mask[:, None] & e_mask
     tl.store(part_ptr + split * N * E + tile, acc, mask=mask)
-    if _last_to_arrive(count_ptr + tl.program_id(0), N_SPLIT):
+    if _last_to_arrive(count_ptr + tl.program_id(0) * tl.num_programs(2) + tl.program_id(2), N_SPLIT):
         logits = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
         for s in tl.static_range(N_SPLIT):                                   # in split order: the same bits each run
             logits += tl.load(part_ptr + s * N * E + tile, mask=mask, other=0.0, cache_modifier=".cg")
@@ -784,7 +783,7 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, count_ptr, N, E, D, D_SPL
 
 
 _COUNTERS: dict = {}    # device -> int32 arrival counters (_last_to_arrive), zero between launches: the router's
-ROUTER_MAX_BLOCKS = 1023  # expert blocks at [0, n_blocks), the route launch's at the last
+ROUTER_MAX_BLOCKS = 1023  # (expert, token) blocks at [0, n_blocks), the route launch's at the last
 
 
 def _counters(device) -> torch.Tensor:
@@ -825,23 +824,22 @@ def _route_launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bo
 
 
 def _route(x, weight, bias, top_k, norm, scale, prep: bool = False):
-    """Gate.forward's work -> (weights, ids, pairs, prep) as _route_launch gives them. Decode / verify sizes: two
-    launches (the router matmul; the route, which also sorts the pairs and, with prep, packs x for the GEMV)."""
+    """Gate.forward's work -> (weights, ids, pairs, prep) as _route_launch gives them: two launches (the router
+    matmul; the route, which also sorts the pairs and, with prep, packs x for the GEMV)."""
     (N, D), E = x.shape, weight.shape[0]
     x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
-    if N > ROUTER_MAX_T or N == 0:
+    cfg = dict(ROUTER_BLOCKS)
+    cfg["BLOCK_T"] = min(cfg["BLOCK_T"], max(16, triton.next_power_of_2(N)))   # tl.dot's smallest tile is 16
+    n_eb, n_tb = triton.cdiv(E, cfg["BLOCK_E"]), triton.cdiv(N, cfg["BLOCK_T"])
+    if N == 0 or n_eb * n_tb > ROUTER_MAX_BLOCKS:                            # a long prefill: cuBLAS
         return _route_launch(F.linear(x.float(), weight), bias, top_k, norm, scale, sort=False)
-    cfg = ROUTER_BLOCKS
-    block_t = max(16, triton.next_power_of_2(N))                            # tl.dot's smallest tile is 16
-    n_eb = triton.cdiv(E, cfg["BLOCK_E"])
-    want_splits = triton.cdiv(2 * _sm_count(x.device), n_eb)               # slices of D for ~2 waves of programs
+    want_splits = triton.cdiv(2 * _sm_count(x.device), n_eb * n_tb)        # slices of D for ~2 waves of programs
     d_split = triton.cdiv(triton.cdiv(D, want_splits), cfg["BLOCK_D"]) * cfg["BLOCK_D"]   # whole BLOCK_D tiles
     n_split = triton.cdiv(D, d_split)                                       # no empty slice
     part = _empty((n_split, N, E), torch.float32, x.device)                 # [splits, N, E] partial logits
     logits = _empty((N, E), torch.float32, x.device)
-    _router_kernel[(n_eb, n_split)](x, weight, part, logits, _counters(x.device), N, E, D, d_split,
-                                    N_SPLIT=n_split, BLOCK_T=block_t, SPLIT_BF16=not INTERPRETED, **cfg,
-                                    **_pdl(x.device))
+    _router_kernel[(n_eb, n_split, n_tb)](x, weight, part, logits, _counters(x.device), N, E, D, d_split,
+                                          N_SPLIT=n_split, SPLIT_BF16=not INTERPRETED, **cfg, **_pdl(x.device))
     prep = prep and FUSE["route_prep"] and x.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0
     return _route_launch(logits, bias, top_k, norm, scale, sort=N * top_k <= MOE_SORT_MAX_PAIRS,
                          x=x if prep else None)
@@ -850,7 +848,7 @@ def _route(x, weight, bias, top_k, norm, scale, prep: bool = False):
 def _router_fits(x, weight, bias, top_k, norm, scale, n_group=1, topk_group=1) -> bool:
     # group-limited routing (n_group > 1, DeepSeek-V3) stays with the reference: K2 / K2.6 use one group
     return (_glue(x) and n_group == 1 and x.dim() == 2 and weight.dtype == bias.dtype == torch.float32
-            and weight.shape[0] <= ROUTER_MAX_BLOCKS * ROUTER_BLOCKS["BLOCK_E"])
+            and weight.shape[0] <= ROUTER_MAX_BLOCKS * ROUTER_BLOCKS["BLOCK_E"])     # one token block fits
 
 
 @register("Gate.forward", fits=lambda self, x: _router_fits(x, self.weight, self.e_score_correction_bias, self.top_k,

@@ -483,8 +483,8 @@ def test_moe_w4_tile_is_dequant_int4(dtype):
 @pytest.mark.parametrize("T_, mma_min_pairs", [(3, None), (3, 0), (70, None)])
 def test_moe_part(T_, mma_min_pairs, dtype, monkeypatch):
     """The MoE part's launcher == MoE.local as written: 3 tokens (the router's two launches, the pairs sorted and x
-    packed for the GEMV by the route launch; or the tensor-core path), 70 (past ROUTER_MAX_T: F.linear, the pairs
-    sorted on their own); the shared experts on a side stream, added where the pairs are summed."""
+    packed for the GEMV by the route launch; or the tensor-core path), 70 (the router's matmul in two token blocks);
+    the shared experts on a side stream, added where the pairs are summed."""
     monkeypatch.setattr(kernels, "POISON_BUFFERS", True)
     if mma_min_pairs is not None:
         monkeypatch.setattr(kernels, "MOE_MMA_MIN_PAIRS", mma_min_pairs)
@@ -805,13 +805,18 @@ def test_mla_attention_kernel(T_, H, prefixes, kind, tiles, dtype, monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("N, E, D, k, dtype", [(1, 384, 448, 8, torch.float16), (9, 384, 448, 8, torch.float32),
-                                              (17, 16, 200, 4, torch.float16), (70, 64, 96, 6, torch.float32),
-                                              (3, 16, 64, 16, torch.float32)])
-def test_router_kernel(N, E, D, k, dtype):
-    """Router matmul in D-slices + routing == F.linear in fp32 + the reference's routing: logits to fp32 rounding,
-    the same experts in the same order, and (one launch) the pairs sorted by expert. D = 200: a masked tail slice;
-    N = 70 > ROUTER_MAX_T: the F.linear branch; k = E: every expert."""
+@pytest.mark.parametrize("N, E, D, k, dtype, max_blocks", [
+    (1, 384, 448, 8, torch.float16, None), (9, 384, 448, 8, torch.float32, None), (17, 16, 200, 4, torch.float16, None),
+    (70, 64, 96, 6, torch.float32, None), (150, 16, 64, 2, torch.float16, None), (600, 16, 64, 2, torch.float16, None),
+    (70, 64, 96, 6, torch.float16, 3), (3, 16, 64, 16, torch.float32, None)])
+def test_router_kernel(N, E, D, k, dtype, max_blocks, monkeypatch):
+    """Router matmul in (token, expert) blocks and D-slices + routing == F.linear in fp32 + the reference's routing:
+    logits to fp32 rounding, the same experts in the same order, and (up to MOE_SORT_MAX_PAIRS pairs) the pairs sorted
+    by expert in the route launch. D = 200: a masked tail slice; N = 70, 150, 600: several token blocks, the last one
+    partial (600 x 2 pairs: sorted apart); max_blocks 3: more blocks than counters, the F.linear branch; k = E: every
+    expert."""
+    if max_blocks is not None:
+        monkeypatch.setattr(kernels, "ROUTER_MAX_BLOCKS", max_blocks)
     g = torch.Generator().manual_seed(N * E + D)
     x = torch.randn(N, D, generator=g).to(dtype).to(KERNEL_DEVICE)
     weight = (torch.randn(E, D, generator=g) / D**0.5).to(torch.bfloat16).float().to(KERNEL_DEVICE)  # a bf16 checkpoint
@@ -822,10 +827,13 @@ def test_router_kernel(N, E, D, k, dtype):
         assert ids.dtype == torch.int64 and torch.equal(ids, ids_ref), f"{ids} vs {ids_ref}"
         assert_close(w, w_ref, 1e-5, f"router weights N={N} E={E} D={D} norm={norm}")
         _, _, pairs, prep = kernels._route(x, weight, bias, k, norm, 2.827, prep=True)    # the MoE part's call
-        if N <= kernels.ROUTER_MAX_T:       # one launch: the pairs sorted by expert for the experts, as _moe_sort
+        kernel = max_blocks is None
+        assert (pairs is not None) == (kernel and N * k <= kernels.MOE_SORT_MAX_PAIRS)
+        assert (prep is not None) == (kernel and dtype != torch.float32)
+        if pairs is not None:       # the pairs sorted by expert for the experts, as _moe_sort
             (pair_ids, slots), (pair_ref, slots_ref) = pairs, kernels._moe_sort(ids, E)
             assert torch.equal(pair_ids, pair_ref) and torch.equal(slots, slots_ref)
-        if N <= kernels.ROUTER_MAX_T and dtype != torch.float32:   # and x packed for the MoE GEMV, as _prep_f16
+        if prep is not None:        # and x packed for the MoE GEMV, as _prep_f16
             xk_ref, xs_ref = kernels._prep_f16(x, N, D, 1, swiglu=False)
             assert torch.equal(prep[0], xk_ref) and torch.equal(prep[1], xs_ref)
 
