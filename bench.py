@@ -1837,8 +1837,7 @@ def linear_table(device, dtype, bw: float) -> dict:
 
 def kernel_resources(arch: int = 90) -> dict:
     """kernels --resources: the INT4 MoE kernels at their shipped settings, and the skinny GEMM at 16 rows,
-    compiled for sm_{arch} by Triton's own
-    compiler, no GPU needed (its ptxas and cuobjdump): registers, spilled stack and shared memory per program, and
+    compiled for sm_{arch} by Triton's own compiler, no GPU needed (its ptxas and cuobjdump): registers, spilled stack and shared memory per program, and
     whether the tensor-core path's dots became wgmma (HGMMA) or mma.sync (HMMA), and the instructions a thread issues
     in its main loop (the longest innermost loop), shared-memory loads (LDS) among them. Pointers and the integer
     arguments that are multiples of 16 at K2.6's TP8 shapes are compiled as such, as the launch specializes them.

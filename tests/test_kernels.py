@@ -815,10 +815,11 @@ def test_router_kernel(N, E, D, k, dtype, max_blocks, monkeypatch):
     by expert in the route launch. D = 200: a masked tail slice; N = 70, 150, 600: several token blocks, the last one
     partial (600 x 2 pairs: sorted apart); max_blocks 3: more blocks than counters, the F.linear branch; k = E: every
     expert."""
-    if max_blocks is not None:
-        monkeypatch.setattr(kernels, "ROUTER_MAX_BLOCKS", max_blocks)
     g = torch.Generator().manual_seed(N * E + D)
     x = torch.randn(N, D, generator=g).to(dtype).to(KERNEL_DEVICE)
+    if max_blocks is not None:      # the counters made at full size first: they are made once, on first use
+        kernels._counters(x.device)
+        monkeypatch.setattr(kernels, "ROUTER_MAX_BLOCKS", max_blocks)
     weight = (torch.randn(E, D, generator=g) / D**0.5).to(torch.bfloat16).float().to(KERNEL_DEVICE)  # a bf16 checkpoint
     bias = (torch.randn(E, generator=g) * 0.1).to(KERNEL_DEVICE)
     for norm in (True, False):
